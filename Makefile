@@ -1,0 +1,28 @@
+# `make demo` and `make test` each do the whole set-up on a fresh machine first.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh "$(VENV)" "$(TORCH_VERSION)"
+	touch $@
+
+demo: setup
+	$(VENV)/bin/hotspare run configs/demo.yaml
+
+test: setup
+	$(PY) -m pytest -q tests
+
+lint: setup
+	$(VENV)/bin/ruff check orchestrator agents recovery tests benchmarks examples
+
+bench: setup
+	$(PY) benchmarks/recovery.py --json benchmarks/out/recovery.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache
