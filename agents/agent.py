@@ -1,0 +1,370 @@
+"""One agent per node: lease, warm workers, assignment, supervision, watchdog, chaos.
+
+The agent never decides anything about the job: it registers its node under a lease,
+keeps ``slots`` warm workers, hands a worker the rank the controller's world gives this
+node, reports a worker's death within a poll interval (0.1 s), kills a worker whose
+heartbeat stalls past ``hang_timeout``, and executes chaos commands addressed to it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.store import (
+    JobStore,
+    LeaseLost,
+    Node,
+    Report,
+    Store,
+    StoreError,
+)
+
+from .heartbeat import RUNNING, STATE_NAMES, WARM, Heartbeat
+
+log = logging.getLogger("hotspare.agent")
+
+POLL = 0.1  # worker supervision period: a worker death is reported within this
+
+
+def store_from_env(env: dict[str, str] | None = None) -> Store:
+    """The etcd connection a hotspare process inherits through its environment."""
+    e = os.environ if env is None else env
+    endpoints = [x for x in e.get("HOTSPARE_ETCD", "").split(",") if x]
+    if not endpoints:
+        raise RuntimeError("HOTSPARE_ETCD is not set (comma-separated etcd endpoints)")
+    return Store(
+        endpoints,
+        ca_cert=e.get("HOTSPARE_ETCD_CA") or None,
+        cert=e.get("HOTSPARE_ETCD_CERT") or None,
+        key=e.get("HOTSPARE_ETCD_KEY") or None,
+        user=e.get("HOTSPARE_ETCD_USER") or None,
+        password=e.get("HOTSPARE_ETCD_PASSWORD") or None,
+    )
+
+
+@dataclass
+class WorkerProc:
+    slot: int
+    proc: subprocess.Popen
+    hb: Heartbeat
+    rank: int | None = None
+    epoch: int = 0
+    hang_killed: bool = False
+    assigned_at: float = 0.0
+
+
+class Agent:
+    def __init__(
+        self,
+        store: Store,
+        job: str,
+        node: str,
+        *,
+        role: str = "active",
+        slots: int | None = None,
+        host: str = "127.0.0.1",
+        wait_for_job: float = 120.0,
+        env_for_workers: dict[str, str] | None = None,
+    ) -> None:
+        self.store = store
+        self.js = JobStore(store, job)
+        self.job = job
+        self.node = node
+        self.role = role
+        self.host = host
+        self._slots = slots
+        self.wait_for_job = wait_for_job
+        self.worker_env = dict(env_for_workers or {})
+        self.workers: dict[int, WorkerProc] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.incarnation = ""
+        self._lease = None
+        self._published_warm = -1
+        self._chaos_slow: dict[int, float] = {}
+
+    # -- life cycle -----------------------------------------------------------------------
+    def run(self) -> int:
+        spec = self._wait_for_spec()
+        if spec is None:
+            log.error("job %s not found in etcd after %.0fs; giving up", self.job, self.wait_for_job)
+            return 2
+        self.spec = spec
+        self.slots = self._slots or spec["ranks_per_node"]
+        self.hang_timeout = float(spec["hang_timeout"])
+        out = Path(spec["output_dir"])
+        self.log_dir = out / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        self.run_dir = Path(tempfile.mkdtemp(prefix=f"hotspare-{self.job}-{self.node}-", dir=base))
+        self._register()
+        cancel_watch = self.store.watch_prefix(self.js.keys.prefix, self._wake.set)
+        signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
+        for slot in range(self.slots):
+            self._spawn(slot)
+        try:
+            return self._loop()
+        finally:
+            cancel_watch()
+            self._shutdown()
+
+    def _wait_for_spec(self) -> dict | None:
+        deadline = time.monotonic() + self.wait_for_job
+        while time.monotonic() < deadline:
+            try:
+                spec = self.js.spec()
+                if spec is not None:
+                    return spec
+            except StoreError:
+                pass
+            time.sleep(0.2)
+        return None
+
+    def _register(self) -> None:
+        self.incarnation = uuid.uuid4().hex[:12]
+        self._lease = self.store.lease(float(self.spec["lease_ttl"]))
+        self._publish(force=True)
+        self.js.event(
+            "node-joined",
+            self.node,
+            f"agent {self.node} ({self.role}, {self.slots} slot(s)) registered",
+            node=self.node,
+            role=self.role,
+            incarnation=self.incarnation,
+        )
+        log.info("registered %s as %s (incarnation %s)", self.node, self.role, self.incarnation)
+
+    def _publish(self, force: bool = False) -> None:
+        warm = sum(1 for w in self.workers.values() if w.rank is None and w.hb.read()[0] == WARM)
+        if not force and warm == self._published_warm:
+            return
+        self._published_warm = warm
+        node = Node(
+            name=self.node,
+            incarnation=self.incarnation,
+            role=self.role,
+            slots=self.slots,
+            host=self.host,
+            pid=os.getpid(),
+            warm=warm,
+        )
+        self.js.register_node(node, self._lease)
+
+    # -- main loop ------------------------------------------------------------------------
+    def _loop(self) -> int:
+        last_read = 0.0
+        while not self._stop.is_set():
+            woke = self._wake.wait(POLL)
+            self._wake.clear()
+            try:
+                self._supervise()
+                if self._lease is not None and self._lease.lost.is_set():
+                    self._fenced("lease lost")
+                now = time.monotonic()
+                if woke or now - last_read > 1.0:
+                    last_read = now
+                    snap = self.js.snapshot()
+                    if snap.state.terminal:
+                        log.info("job %s is %s; agent exiting", self.job, snap.state.value)
+                        return 0
+                    self._assign(snap)
+                    if snap.chaos.get(self.node):
+                        for cmd in self.js.take_chaos(self.node):
+                            self._chaos(cmd)
+                self._publish()
+            except LeaseLost:
+                self._fenced("lease lost")
+            except StoreError as e:
+                log.warning("etcd: %s (training continues; retrying)", e)
+                time.sleep(0.5)
+        return 0
+
+    def _fenced(self, why: str) -> None:
+        """Our node key is gone: the controller has (or will have) replaced our ranks."""
+        log.warning("%s: killing assigned workers and re-registering", why)
+        for w in list(self.workers.values()):
+            if w.rank is not None:
+                self._kill(w)
+        self._register()
+
+    def _assign(self, snap) -> None:
+        world = snap.world
+        if world is None:
+            return
+        mine = set(world.ranks_on(self.node, self.incarnation))
+        held = {w.rank: w for w in self.workers.values() if w.rank is not None}
+        for rank, w in held.items():
+            if rank not in mine and w.proc.poll() is None and world.shrunk_from == 0:
+                log.warning("rank %d no longer belongs to %s at epoch %d: stopping its worker", rank, self.node, world.epoch)
+                self._kill(w)
+        for rank in sorted(mine - set(held)):
+            free = [w for w in self.workers.values() if w.rank is None and w.proc.poll() is None]
+            if not free:
+                log.warning("rank %d assigned to %s but no free worker slot", rank, self.node)
+                return
+            free.sort(key=lambda w: w.hb.read()[0] != WARM)
+            w = free[0]
+            w.rank, w.epoch, w.assigned_at = rank, snap.epoch, time.time()
+            warm = STATE_NAMES.get(w.hb.read()[0], "?")
+            try:
+                assert w.proc.stdin is not None
+                w.proc.stdin.write(json.dumps({"rank": rank, "epoch": snap.epoch}).encode() + b"\n")
+                w.proc.stdin.flush()
+            except OSError:
+                continue  # it just died; supervision will notice
+            self.js.event(
+                "assigned",
+                self.node,
+                f"rank {rank} -> {self.node} ({warm} worker pid {w.proc.pid}) at epoch {snap.epoch}",
+                rank=rank,
+                node=self.node,
+                epoch=snap.epoch,
+                warm=warm == "warm",
+                pid=w.proc.pid,
+            )
+
+    def _supervise(self) -> None:
+        now = time.time()
+        for slot, w in list(self.workers.items()):
+            code = w.proc.poll()
+            if code is None:
+                if w.rank is not None and not w.hang_killed:
+                    state, _step, beat, _pid = w.hb.read()
+                    since = max(beat, w.assigned_at)
+                    if state == RUNNING and now - since > self.hang_timeout:
+                        log.warning("rank %d: no heartbeat for %.1fs: killing", w.rank, now - since)
+                        w.hang_killed = True
+                        self._kill(w, wait=False)
+                continue
+            if w.rank is not None and code != 0:
+                sig = -code if code < 0 else None
+                kind = "hang" if w.hang_killed else "exit"
+                rep = Report(
+                    node=self.node,
+                    rank=w.rank,
+                    epoch=w.epoch,
+                    kind=kind,
+                    exit_code=None if sig else code,
+                    signal=sig,
+                    time=now,
+                    message=f"worker pid {w.proc.pid} " + (
+                        "hung (no heartbeat) and was killed" if kind == "hang"
+                        else (f"killed by signal {sig}" if sig else f"exited with code {code}")
+                    ),
+                )
+                try:
+                    self.js.report(rep)
+                    self.js.event("worker-exit", self.node, rep.message, rank=w.rank, node=self.node, kind=kind, detected=now, exit_code=code)
+                except StoreError as e:
+                    log.warning("could not report rank %d exit yet: %s", w.rank, e)
+                    continue  # keep the record; retry next poll
+                log.warning("rank %d: %s", w.rank, rep.message)
+            elif w.rank is None:
+                log.warning("warm worker pid %d exited with %s before assignment", w.proc.pid, code)
+            w.hb.close()
+            del self.workers[slot]
+            if not (w.rank is not None and code == 0):
+                self._spawn(slot)
+
+    # -- workers --------------------------------------------------------------------------
+    def _spawn(self, slot: int) -> None:
+        hb_path = self.run_dir / f"slot{slot}-{time.time_ns()}.hb"
+        hb = Heartbeat(hb_path)
+        env = dict(os.environ)
+        env.update({k: str(v) for k, v in (self.spec.get("env") or {}).items()})
+        env.update(self.worker_env)
+        env.update(
+            {
+                "HOTSPARE_JOB": self.job,
+                "HOTSPARE_NODE": self.node,
+                "HOTSPARE_INCARNATION": self.incarnation,
+                "HOTSPARE_HB": str(hb_path),
+                "HOTSPARE_LOG_DIR": str(self.log_dir),
+                "HOTSPARE_AGENT_PID": str(os.getpid()),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if self.spec.get("backend", "local") == "local":
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        logf = open(self.log_dir / f"worker-{self.node}-slot{slot}.log", "ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agents.worker"],
+            stdin=subprocess.PIPE,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        logf.close()
+        self.workers[slot] = WorkerProc(slot=slot, proc=proc, hb=hb)
+
+    def _kill(self, w: WorkerProc, wait: bool = True) -> None:
+        try:
+            w.proc.kill()
+        except ProcessLookupError:
+            pass
+        if wait:
+            try:
+                w.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _shutdown(self) -> None:
+        for w in self.workers.values():
+            if w.rank is None and w.proc.stdin is not None:
+                try:
+                    w.proc.stdin.close()  # a warm worker leaves on EOF
+                except OSError:
+                    pass
+            else:
+                try:
+                    w.proc.terminate()
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 5
+        for w in self.workers.values():
+            try:
+                w.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+        if self._lease is not None:
+            try:
+                self.store.delete(self.js.keys.node(self.node))
+            except StoreError:
+                pass
+            self._lease.revoke()
+        try:
+            for p in self.run_dir.iterdir():
+                p.unlink()
+            self.run_dir.rmdir()
+        except OSError:
+            pass
+
+    # -- chaos ----------------------------------------------------------------------------
+    def _chaos(self, cmd: dict) -> None:
+        action = cmd.get("action")
+        rank = cmd.get("rank")
+        target = next((w for w in self.workers.values() if w.rank == rank), None)
+        self.js.event("chaos", self.node, f"{action} on {self.node}" + (f" rank {rank}" if rank is not None else ""), action=action, rank=rank, node=self.node)
+        log.warning("chaos: %s %s", action, cmd)
+        if action == "kill-node":
+            # the node dies at once: no report, no goodbye; workers follow via PDEATHSIG
+            for w in self.workers.values():
+                w.proc.kill()
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "kill-rank" and target is not None:
+            target.proc.send_signal(signal.SIGKILL)
+        elif action == "hang-rank" and target is not None:
+            target.proc.send_signal(signal.SIGSTOP)
+        else:
+            log.warning("chaos action %s not applicable on %s (rank %s not here?)", action, self.node, rank)

@@ -1,0 +1,404 @@
+"""``hotspare``: submit, watch and break fault-tolerant training jobs.
+
+Where is etcd? ``--etcd URL[,URL]`` or ``$HOTSPARE_ETCD``; otherwise the embedded cluster
+recorded under ``--state-dir`` (``$HOTSPARE_STATE_DIR``, default ``~/.hotspare``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+
+from . import embedded
+
+EPILOG = """\
+examples:
+  hotspare run configs/demo.yaml          submit, watch progress, print the recovery summary
+  hotspare status demo                    ranks, nodes, steps, spares, epoch
+  hotspare events demo                    the timeline with each recovery's phases
+  hotspare chaos demo --action kill-rank --rank 2
+"""
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+# -- etcd resolution ------------------------------------------------------------------------
+def _state_dir(args: argparse.Namespace) -> Path:
+    return Path(args.state_dir).expanduser() if args.state_dir else embedded.default_state_dir()
+
+
+def _endpoints(args: argparse.Namespace, spec_endpoints: tuple[str, ...] = (), start: bool = False) -> list[str]:
+    if getattr(args, "etcd", None):
+        return [e for e in args.etcd.split(",") if e]
+    if os.environ.get("HOTSPARE_ETCD"):
+        return [e for e in os.environ["HOTSPARE_ETCD"].split(",") if e]
+    if spec_endpoints:
+        return list(spec_endpoints)
+    sd = _state_dir(args)
+    c = embedded.up(sd, log=lambda m: print(m, file=sys.stderr)) if start else embedded.load(sd)
+    if c is None:
+        raise CliError(
+            f"no etcd: the embedded cluster is not up (state dir {sd}). Run `hotspare up`, "
+            "or pass --etcd URL / set HOTSPARE_ETCD"
+        )
+    return [c.endpoint]
+
+
+def _store(endpoints: list[str]):
+    from .store import Store, StoreUnavailable
+
+    st = Store(endpoints, timeout=5)
+    try:
+        st.ping()
+    except StoreUnavailable as e:
+        raise CliError(f"cannot reach etcd at {', '.join(endpoints)}: {e}") from e
+    return st
+
+
+def _jobstore(args: argparse.Namespace):
+    from .store import JobStore
+
+    js = JobStore(_store(_endpoints(args)), args.job)
+    if not js.exists():
+        raise CliError(f"no job named {args.job!r} in this etcd (see `hotspare status` for jobs)")
+    return js
+
+
+# -- commands -------------------------------------------------------------------------------
+def cmd_up(args: argparse.Namespace) -> int:
+    c = embedded.up(_state_dir(args))
+    print(f"etcd {c.endpoint} (pid {c.etcd_pid}), controller pid {c.controller_pid}, state {c.state_dir}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    sd = _state_dir(args)
+    print("stopped embedded etcd and controller; state kept in", sd if embedded.down(sd) else "")
+    return 0
+
+
+def _load(args: argparse.Namespace):
+    from .spec import SpecError, load_spec, parse_overrides
+
+    try:
+        spec = load_spec(args.spec, parse_overrides(args.set or []))
+    except SpecError as e:
+        raise CliError(str(e)) from e
+    d = spec.to_dict()
+    if not d.get("output_dir"):
+        d["output_dir"] = str(_state_dir(args) / "jobs" / spec.name)
+    return spec, d
+
+
+def _submit(args: argparse.Namespace) -> tuple[object, dict, list[str]]:
+    from .launchers import get
+    from .store import Conflict, JobStore
+
+    spec, d = _load(args)
+    eps = _endpoints(args, spec.etcd.endpoints, start=True)
+    js = JobStore(_store(eps), spec.name)
+    try:
+        js.submit(d, secrets.token_bytes(32))
+    except Conflict as e:
+        raise CliError(f"{e}; cancel it first (`hotspare cancel {spec.name}`) or pick another name") from e
+    Path(d["output_dir"]).mkdir(parents=True, exist_ok=True)
+    info = get(spec.backend).launch(d, eps)
+    js.event("submitted", "cli", f"job {spec.name}: {spec.ranks} ranks + {spec.spares} spare node(s), {spec.steps} steps")
+    return js, d, eps, info
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        _, d = _load(args)
+        print(json.dumps(d, indent=2))
+        return 0
+    js, d, eps, info = _submit(args)
+    print(f"submitted {d['name']} to etcd {','.join(eps)}; {len(info.get('agents', {}))} agents; "
+          f"logs in {info.get('log_dir')}")
+    print(f"watch it: hotspare status {d['name']}   hotspare events {d['name']}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from . import timeline
+
+    js, d, eps, info = _submit(args)
+    out = sys.stderr if args.json else sys.stdout
+    print(f"running {d['name']}: {d['ranks']} ranks + {d['spares']} spare node(s), {d['steps']} steps; "
+          f"logs in {info.get('log_dir')}", file=out)
+    state = _watch(js, d, out, timeout=args.timeout)
+    events = js.events()
+    recs = timeline.recoveries(events)
+    snap = js.snapshot()
+    steps_done = d["steps"] if state == "succeeded" else (
+        max((p.step + 1 for p in snap.progress.values()), default=0))
+    print(f"\njob {d['name']} {state}: {steps_done}/{d['steps']} steps, epoch {snap.epoch}"
+          + (f" ({snap.state_message})" if snap.state_message and state != "succeeded" else ""), file=out)
+    if recs:
+        print("recoveries:\n" + timeline.format_recoveries(recs), file=out)
+    losses = {r: p.metrics.get("loss") for r, p in sorted(snap.progress.items()) if "loss" in p.metrics}
+    if losses:
+        print("final loss per rank: " + ", ".join(f"{r}: {v:.4f}" for r, v in losses.items()), file=out)
+    if args.json:
+        print(json.dumps({"job": d["name"], "state": state, "steps_done": steps_done, "recoveries": [
+            {k: r[k] for k in ("failed_rank", "failed_node", "spare_node", "kind", "detect_s",
+                               "decide_s", "rebuild_s", "restore_s", "total_s")} for r in recs]}))
+    return 0 if state == "succeeded" else 1
+
+
+def _watch(js, d: dict, out, timeout: float | None) -> str:
+    from .store import StoreError
+
+    seen: set[tuple[float, str]] = set()
+    show = {"placed", "failure", "swap", "shrink", "waiting", "assigned", "resumed", "chaos",
+            "succeeded", "failed", "cancelled", "leader", "node-joined"}
+    start = time.monotonic()
+    last_line = ""
+    tty = out.isatty()
+    while True:
+        try:
+            snap = js.snapshot()
+            for ev in js.events():
+                key = (ev.time, ev.kind + ev.message)
+                if key in seen:
+                    continue
+                seen.add(key)
+                if ev.kind in show and not (ev.kind == "assigned" and snap.epoch <= 1 and ev.data.get("epoch") == 1):
+                    ts = time.strftime("%H:%M:%S", time.localtime(ev.time))
+                    print(("\r" if tty else "") + f"{ts} {ev.kind:<10} {ev.message}", file=out, flush=True)
+            if snap.state.terminal:
+                return snap.state.value
+            steps = [p.step + 1 for p in snap.progress.values()]
+            line = (f"epoch {snap.epoch} | steps {min(steps) if steps else 0}/{d['steps']} | "
+                    f"{len(snap.nodes)} nodes up")
+            loss = [p.metrics["loss"] for p in snap.progress.values() if "loss" in p.metrics]
+            if loss:
+                line += f" | loss {sum(loss) / len(loss):.4f}"
+            if tty:
+                print("\r" + line.ljust(70), end="", file=out, flush=True)
+            elif line != last_line and int(time.monotonic() - start) % 5 == 0:
+                print(line, file=out, flush=True)
+            last_line = line
+        except StoreError as e:
+            print(f"(etcd: {e}; retrying)", file=out)
+        if timeout and time.monotonic() - start > timeout:
+            js.request_cancel()
+            raise CliError(f"job {d['name']} did not finish within --timeout {timeout:.0f}s; cancelled it")
+        time.sleep(0.5)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .store import list_jobs
+
+    if not args.job:
+        st = _store(_endpoints(args))
+        from .store import JobStore
+
+        jobs = [(j, JobStore(st, j).state()[0].value) for j in list_jobs(st)]
+        if args.json:
+            print(json.dumps([{"job": j, "state": s} for j, s in jobs]))
+        else:
+            print("\n".join(f"{j:<24} {s}" for j, s in jobs) or "no jobs")
+        return 0
+    js = _jobstore(args)
+    snap = js.snapshot()
+    w = snap.world
+    now = time.time()
+    ranks = []
+    for r, seat in enumerate(w.seats if w else ()):
+        p = snap.progress.get(r)
+        alive = seat.node in snap.nodes and snap.nodes[seat.node].incarnation == seat.incarnation
+        state = "done" if r in snap.done else ("running" if alive else "lost")
+        ranks.append({"rank": r, "node": seat.node, "state": state, "step": p.step if p else -1,
+                      "since_epoch": seat.since, "step_time": p.step_time if p else None,
+                      "age_s": round(now - p.time, 1) if p else None})
+    used = {s.node for s in (w.seats if w else ())}
+    spares = [n.name for n in snap.nodes.values() if n.name not in used]
+    data = {"job": js.job, "state": snap.state.value, "message": snap.state_message,
+            "epoch": snap.epoch, "ranks": ranks, "spares": spares, "nodes": sorted(snap.nodes),
+            "leader": snap.leader}
+    if args.json:
+        print(json.dumps(data))
+        return 0
+    print(f"job {js.job}: {snap.state.value}, epoch {snap.epoch}, controller {snap.leader or '-'}"
+          + (f"\n  {snap.state_message}" if snap.state_message else ""))
+    print(f"{'rank':>4}  {'node':<10} {'state':<8} {'step':>6} {'since':>5} {'s/step':>8}")
+    for r in ranks:
+        st_ = f"{r['step_time']:.3f}" if r["step_time"] else "-"
+        print(f"{r['rank']:>4}  {r['node']:<10} {r['state']:<8} {r['step']:>6} {r['since_epoch']:>5} {st_:>8}")
+    print(f"spares: {', '.join(spares) or 'none'}")
+    return 0
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    from . import timeline
+
+    js = _jobstore(args)
+    events = js.events()
+    recs = timeline.recoveries(events)
+    if args.json:
+        print(json.dumps({"events": [e.__dict__ for e in events], "recoveries": recs}))
+        return 0
+    t0 = events[0].time if events else 0
+    for e in events:
+        print(f"{time.strftime('%H:%M:%S', time.localtime(e.time))}.{int(e.time * 1000) % 1000:03d} "
+              f"+{e.time - t0:8.3f}s {e.kind:<12} {e.source:<10} {e.message}")
+    print("\nrecoveries:\n" + timeline.format_recoveries(recs))
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    js = _jobstore(args)
+    log_dir = Path(js.spec()["output_dir"]) / "logs"
+    if args.rank is not None:
+        files = [log_dir / f"rank{args.rank}.log"]
+    elif args.node:
+        files = [log_dir / f"agent-{args.node}.log"]
+    else:
+        files = sorted(log_dir.glob("*.log"))
+    for f in files:
+        if not f.exists():
+            raise CliError(f"no log {f} (logs live on the node that ran it; local backend: {log_dir})")
+        lines = f.read_text(errors="replace").splitlines()
+        print(f"==> {f} <==")
+        print("\n".join(lines[-args.tail:] if args.tail else lines))
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    js = _jobstore(args)
+    js.request_cancel()
+    print(f"cancellation of {args.job} requested; agents stop their workers within a second")
+    return 0
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    js = _jobstore(args)
+    snap = js.snapshot()
+    node = args.node
+    if node is None:
+        if args.rank is None:
+            raise CliError("chaos needs --rank R or --node NAME")
+        if snap.world is None or not 0 <= args.rank < snap.world.size:
+            raise CliError(f"rank {args.rank} is not in job {args.job}'s current world")
+        node = snap.world.seats[args.rank].node
+    if node not in snap.nodes:
+        raise CliError(f"node {node!r} is not a live node of {args.job} (live: {', '.join(sorted(snap.nodes))})")
+    js.send_chaos(node, {"action": args.action, "rank": args.rank, "seconds": args.seconds})
+    print(f"chaos {args.action} sent to {node}" + (f" (rank {args.rank})" if args.rank is not None else ""))
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from agents.agent import Agent
+
+    eps = _endpoints(args)
+    os.environ["HOTSPARE_ETCD"] = ",".join(eps)
+    return Agent(_store(eps), args.job, args.node, role="spare" if args.spare else "active",
+                 slots=args.slots, wait_for_job=args.wait).run()
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    import signal
+
+    from .controller import Controller
+
+    c = Controller(_store(_endpoints(args)), ttl=args.ttl, job=args.job)
+    signal.signal(signal.SIGTERM, lambda *_: c.stop())
+    c.run()
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--etcd", help="etcd endpoint(s), comma-separated (default: $HOTSPARE_ETCD, "
+                        "else the embedded cluster)")
+    common.add_argument("--state-dir", help="embedded cluster state (default: $HOTSPARE_STATE_DIR or ~/.hotspare)")
+    p = argparse.ArgumentParser(
+        prog="hotspare", description="Fault-tolerant elastic training for PyTorch: a failed rank is "
+        "replaced by a warm hot spare while every other process keeps running.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def add(name: str, fn, help_: str, desc: str | None = None) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, parents=[common], help=help_, description=desc or help_)
+        sp.set_defaults(fn=fn)
+        return sp
+
+    add("up", cmd_up, "start the embedded etcd and controller on this machine",
+        "Start a private etcd on a free loopback port and a controller, as daemons. Idempotent.")
+    add("down", cmd_down, "stop the embedded etcd and controller (the state dir is kept)")
+    for name, fn, h in (("submit", cmd_submit, "submit a job and return"),
+                        ("run", cmd_run, "submit a job, watch it live, print a summary; exit 1 if it failed")):
+        sp = add(name, fn, h, h + ". Brings the embedded cluster up if the spec uses it and none is running.")
+        sp.add_argument("spec", help="job spec YAML (see configs/)")
+        sp.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="override a spec field, e.g. --set ranks=8 --set args.lr=0.1")
+        if name == "submit":
+            sp.add_argument("--dry-run", action="store_true", help="validate and print the resolved spec")
+        else:
+            sp.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
+            sp.add_argument("--timeout", type=float, help="cancel the job if not done after this many seconds")
+    sp = add("status", cmd_status, "show ranks (node, state, step), spares and epoch of a job; no JOB lists jobs")
+    sp.add_argument("job", nargs="?")
+    sp.add_argument("--json", action="store_true")
+    sp = add("events", cmd_events, "show a job's timeline and each recovery's phase durations")
+    sp.add_argument("job")
+    sp.add_argument("--json", action="store_true")
+    sp = add("logs", cmd_logs, "print a job's logs (a rank's, a node agent's, or all)")
+    sp.add_argument("job")
+    sp.add_argument("--rank", type=int)
+    sp.add_argument("--node")
+    sp.add_argument("--tail", type=int, default=0, help="only the last N lines")
+    sp = add("cancel", cmd_cancel, "cancel a job: its agents stop the workers and exit")
+    sp.add_argument("job")
+    sp = add("chaos", cmd_chaos, "inject a failure into a running job (delivered through etcd)",
+             "Inject a failure. Actions: kill-rank (SIGKILL the rank's worker), kill-node (SIGKILL the "
+             "agent and its workers: detected by lease expiry), hang-rank (SIGSTOP the worker: the "
+             "agent's watchdog kills it after hang_timeout).")
+    sp.add_argument("job")
+    sp.add_argument("--action", required=True, choices=["kill-rank", "kill-node", "hang-rank"])
+    sp.add_argument("--rank", type=int, help="target rank (for node actions: the node hosting it)")
+    sp.add_argument("--node", help="target node")
+    sp.add_argument("--seconds", type=float, help="duration, for actions that take one")
+    sp = add("agent", cmd_agent, "run one node agent (what each node of a cluster runs)",
+             "Run one node agent in the foreground: it registers NODE under a lease, keeps warm "
+             "workers and runs the ranks the controller assigns to it.")
+    sp.add_argument("--job", required=True)
+    sp.add_argument("--node", required=True, help="this node's name (unique in the job)")
+    sp.add_argument("--spare", action="store_true", help="register as a hot spare")
+    sp.add_argument("--slots", type=int, help="worker slots (default: the spec's ranks_per_node)")
+    sp.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the job to be submitted")
+    sp = add("controller", cmd_controller, "run a controller (leader-elected; a second one is a standby)")
+    sp.add_argument("--job", help="only this job (default: every job in this etcd)")
+    sp.add_argument("--ttl", type=float, default=3.0, help="leader lease TTL in seconds (standby takeover time)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.fn(args)
+    except CliError as e:
+        print(f"hotspare {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The embedded default: a private etcd and a controller on this machine.
+
+``hotspare up`` starts both as daemons and records them in ``<state-dir>/cluster.json``;
+``hotspare down`` stops them and keeps the state directory (etcd data, logs, outputs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .etcd_server import EtcdServer, free_port, pid_alive, stop_pid
+
+
+def default_state_dir() -> Path:
+    return Path(os.environ.get("HOTSPARE_STATE_DIR", "~/.hotspare")).expanduser()
+
+
+@dataclass
+class Cluster:
+    endpoint: str
+    etcd_pid: int
+    controller_pid: int
+    state_dir: str
+
+    @property
+    def healthy(self) -> bool:
+        return pid_alive(self.etcd_pid) and pid_alive(self.controller_pid)
+
+
+def _file(state_dir: Path) -> Path:
+    return state_dir / "cluster.json"
+
+
+def load(state_dir: Path) -> Cluster | None:
+    """The running embedded cluster, or None if none is up (stale records are ignored)."""
+    f = _file(state_dir)
+    if not f.exists():
+        return None
+    try:
+        c = Cluster(**json.loads(f.read_text()))
+    except (ValueError, TypeError):
+        return None
+    return c if pid_alive(c.etcd_pid) else None
+
+
+def start_controller(endpoint: str, state_dir: Path, ttl: float = 3.0) -> int:
+    log = open(state_dir / "controller.log", "ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "controller", "--etcd", endpoint, "--ttl", str(ttl)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    return proc.pid
+
+
+def up(state_dir: Path, log=print) -> Cluster:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    c = load(state_dir)
+    if c is not None:
+        if not pid_alive(c.controller_pid):
+            c.controller_pid = start_controller(c.endpoint, state_dir)
+            _file(state_dir).write_text(json.dumps(asdict(c)))
+            log(f"restarted controller (pid {c.controller_pid})")
+        return c
+    t0 = time.monotonic()
+    srv = EtcdServer(state_dir / "etcd", free_port(), free_port())
+    srv.start(log_path=state_dir / "etcd.log", detach=True)
+    srv.wait_ready()
+    ctl = start_controller(srv.endpoint, state_dir)
+    c = Cluster(srv.endpoint, srv.pid, ctl, str(state_dir))
+    _file(state_dir).write_text(json.dumps(asdict(c)))
+    log(f"embedded cluster up in {time.monotonic() - t0:.1f}s: etcd {srv.endpoint} (pid {srv.pid}), "
+        f"controller pid {ctl}; state in {state_dir}")
+    return c
+
+
+def down(state_dir: Path) -> bool:
+    c = load(state_dir)
+    f = _file(state_dir)
+    if c is None:
+        f.unlink(missing_ok=True)
+        return False
+    stop_pid(c.controller_pid)
+    stop_pid(c.etcd_pid)
+    f.unlink(missing_ok=True)
+    return True

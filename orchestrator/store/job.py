@@ -1,0 +1,261 @@
+"""A job's keys in etcd and typed access to them.
+
+Layout (see docs/architecture.md):
+
+    /hotspare/<job>/spec               validated job spec (JSON)          CLI
+    /hotspare/<job>/secret             HMAC secret for peer traffic        CLI
+    /hotspare/<job>/state              {"state", "message", "time"}        controller
+    /hotspare/<job>/cancel             cancellation request                 CLI
+    /hotspare/<job>/leader             controller id, under its lease       controller
+    /hotspare/<job>/epoch              current world version                controller (txn)
+    /hotspare/<job>/world/<epoch>      rank -> node table                   controller (same txn)
+    /hotspare/<job>/nodes/<node>       live agent, under its lease          agent
+    /hotspare/<job>/reports/<node>/<r> a worker is gone                     agent
+    /hotspare/<job>/done/<rank>        rank finished all steps              worker
+    /hotspare/<job>/progress/<rank>    last step, every few seconds         worker
+    /hotspare/<job>/chaos/<node>/<id>  failure to inject                    CLI / worker
+    /hotspare/<job>/fired/<n>          scheduled chaos entry n already fired worker
+    /hotspare-events/<job>/<t>-<id>    the timeline                         everyone
+    /hotspare-rdzv/<job>/...           process-group rendezvous keys        workers
+
+Events and rendezvous keys live outside the job prefix so a snapshot read of the control
+state stays small however long the job runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+from .client import KV, Compare, Lease, Store
+from .records import Event, JobState, Node, Progress, Report, World
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    job: str
+
+    @property
+    def prefix(self) -> str:
+        return f"/hotspare/{self.job}/"
+
+    def __getattr__(self, name: str) -> str:  # spec, secret, state, cancel, leader, epoch
+        if name in ("spec", "secret", "state", "cancel", "leader", "epoch"):
+            return self.prefix + name
+        raise AttributeError(name)
+
+    def world(self, epoch: int) -> str:
+        return f"{self.prefix}world/{epoch:08d}"
+
+    def node(self, node: str) -> str:
+        return f"{self.prefix}nodes/{node}"
+
+    def report(self, node: str, rank: int) -> str:
+        return f"{self.prefix}reports/{node}/{rank}"
+
+    def done(self, rank: int) -> str:
+        return f"{self.prefix}done/{rank}"
+
+    def progress(self, rank: int) -> str:
+        return f"{self.prefix}progress/{rank}"
+
+    def chaos(self, node: str, cid: str) -> str:
+        return f"{self.prefix}chaos/{node}/{cid}"
+
+    def chaos_node_prefix(self, node: str) -> str:
+        return f"{self.prefix}chaos/{node}/"
+
+    def fired(self, index: int) -> str:
+        return f"{self.prefix}fired/{index}"
+
+    @property
+    def events_prefix(self) -> str:
+        return f"/hotspare-events/{self.job}/"
+
+    @property
+    def rdzv_prefix(self) -> str:
+        return f"/hotspare-rdzv/{self.job}/"
+
+
+@dataclass
+class JobSnapshot:
+    """Everything the controller needs about one job, read at one etcd revision."""
+
+    job: str
+    revision: int
+    spec: dict | None = None
+    state: JobState = JobState.PENDING
+    state_message: str = ""
+    cancel: bool = False
+    leader: str | None = None
+    epoch: int = 0
+    epoch_mod: int = 0  # mod_revision of the epoch key (0: absent): the fence for decisions
+    world: World | None = None
+    nodes: dict[str, Node] = field(default_factory=dict)
+    reports: list[Report] = field(default_factory=list)
+    done: dict[int, dict] = field(default_factory=dict)
+    progress: dict[int, Progress] = field(default_factory=dict)
+    chaos: dict[str, list[str]] = field(default_factory=dict)
+    created: float = 0.0
+
+
+def parse_snapshot(job: str, kvs: list[KV], revision: int) -> JobSnapshot:
+    keys = JobKeys(job)
+    snap = JobSnapshot(job=job, revision=revision)
+    worlds: dict[int, World] = {}
+    p = keys.prefix
+    for kv in kvs:
+        rel = kv.key[len(p):]
+        head, _, rest = rel.partition("/")
+        if rel == "spec":
+            snap.spec = json.loads(kv.value)
+            snap.created = 0.0
+        elif rel == "state":
+            d = json.loads(kv.value)
+            snap.state = JobState(d["state"])
+            snap.state_message = d.get("message", "")
+        elif rel == "cancel":
+            snap.cancel = True
+        elif rel == "leader":
+            snap.leader = kv.value.decode()
+        elif rel == "epoch":
+            snap.epoch = int(kv.value)
+            snap.epoch_mod = kv.mod_revision
+        elif head == "world":
+            w = World.from_json(kv.value)
+            worlds[w.epoch] = w
+        elif head == "nodes":
+            n = Node.from_json(kv.value)
+            snap.nodes[n.name] = n
+        elif head == "reports":
+            snap.reports.append(Report.from_json(kv.value))
+        elif head == "done":
+            snap.done[int(rest)] = json.loads(kv.value)
+        elif head == "progress":
+            pr = Progress.from_json(kv.value)
+            snap.progress[pr.rank] = pr
+        elif head == "chaos":
+            node, _, cid = rest.partition("/")
+            snap.chaos.setdefault(node, []).append(cid)
+    snap.world = worlds.get(snap.epoch)
+    return snap
+
+
+class JobStore:
+    """Typed operations on one job's keys."""
+
+    def __init__(self, store: Store, job: str) -> None:
+        self.store = store
+        self.job = job
+        self.keys = JobKeys(job)
+
+    def snapshot(self) -> JobSnapshot:
+        kvs, rev = self.store.get_prefix(self.keys.prefix)
+        return parse_snapshot(self.job, kvs, rev)
+
+    def exists(self) -> bool:
+        return self.store.get(self.keys.spec) is not None
+
+    def spec(self) -> dict | None:
+        kv = self.store.get(self.keys.spec)
+        return json.loads(kv.value) if kv else None
+
+    def secret(self) -> bytes:
+        kv = self.store.get(self.keys.secret)
+        return kv.value if kv else b""
+
+    def epoch(self) -> int:
+        kv = self.store.get(self.keys.epoch)
+        return int(kv.value) if kv else 0
+
+    def world(self, epoch: int) -> World | None:
+        kv = self.store.get(self.keys.world(epoch))
+        return World.from_json(kv.value) if kv else None
+
+    def state(self) -> tuple[JobState, str]:
+        kv = self.store.get(self.keys.state)
+        if not kv:
+            return JobState.PENDING, ""
+        d = json.loads(kv.value)
+        return JobState(d["state"]), d.get("message", "")
+
+    # -- writes -----------------------------------------------------------------------
+    def submit(self, spec: dict, secret: bytes) -> None:
+        """Create the job. Fails with Conflict if a job of that name is not finished."""
+        from .errors import Conflict
+
+        state, _ = self.state() if self.exists() else (None, "")
+        if state is not None and not state.terminal:
+            raise Conflict(f"job {self.job!r} exists and is {state.value}")
+        if state is not None:  # a finished job of the same name: its records are replaced
+            self.store.delete_prefix(self.keys.prefix)
+            self.store.delete_prefix(self.keys.events_prefix)
+            self.store.delete_prefix(self.keys.rdzv_prefix)
+        ok = self.store.txn(
+            [Compare(self.keys.spec, "create", "==", 0)],
+            puts={
+                self.keys.spec: json.dumps(spec, sort_keys=True),
+                self.keys.secret: secret,
+                self.keys.state: json.dumps({"state": "pending", "time": time.time()}),
+            },
+        )
+        if not ok:
+            raise Conflict(f"job {self.job!r} was submitted concurrently")
+
+    def register_node(self, node: Node, lease: Lease) -> None:
+        self.store.put(self.keys.node(node.name), node.to_json(), lease=lease)
+
+    def report(self, rep: Report) -> None:
+        self.store.put(self.keys.report(rep.node, rep.rank), rep.to_json())
+
+    def mark_done(self, rank: int, epoch: int, step: int) -> None:
+        self.store.put(self.keys.done(rank), json.dumps({"epoch": epoch, "step": step}))
+
+    def put_progress(self, pr: Progress) -> None:
+        self.store.put(self.keys.progress(pr.rank), pr.to_json())
+
+    def request_cancel(self) -> None:
+        self.store.put(self.keys.cancel, str(time.time()))
+
+    def event(self, kind: str, source: str, message: str = "", /, **data: object) -> Event:
+        ev = Event(time=time.time(), kind=kind, source=source, message=message, data=dict(data))
+        key = f"{self.keys.events_prefix}{time.time_ns():020d}-{os.urandom(3).hex()}"
+        self.store.put(key, ev.to_json())
+        return ev
+
+    def put_event(self, ev: Event) -> None:
+        key = f"{self.keys.events_prefix}{int(ev.time * 1e9):020d}-{os.urandom(3).hex()}"
+        self.store.put(key, ev.to_json())
+
+    def events(self) -> list[Event]:
+        kvs, _ = self.store.get_prefix(self.keys.events_prefix)
+        return [Event.from_json(kv.value) for kv in kvs]
+
+    def send_chaos(self, node: str, command: dict) -> str:
+        cid = f"{time.time_ns():020d}-{os.urandom(2).hex()}"
+        self.store.put(self.keys.chaos(node, cid), json.dumps(command))
+        return cid
+
+    def take_chaos(self, node: str) -> list[dict]:
+        """Pop every pending chaos command for ``node`` (each is executed once)."""
+        kvs, _ = self.store.get_prefix(self.keys.chaos_node_prefix(node))
+        out = []
+        for kv in kvs:
+            if self.store.txn(
+                [Compare(kv.key, "mod", "==", kv.mod_revision)], deletes=[kv.key]
+            ):
+                out.append(json.loads(kv.value))
+        return out
+
+
+def list_jobs(store: Store) -> list[str]:
+    """Names of all jobs in this etcd (one key read per job: its spec)."""
+    kvs, _ = store.get_prefix("/hotspare/")
+    names = []
+    for kv in kvs:
+        parts = kv.key.split("/")
+        if len(parts) == 4 and parts[3] == "spec":
+            names.append(parts[2])
+    return names

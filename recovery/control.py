@@ -1,0 +1,125 @@
+"""The worker's only link to the control plane: a background thread, never the step path.
+
+It watches the job's epoch key (watch plus a slow poll as a fallback, so an etcd outage
+costs latency, not correctness), tells the process group the moment a newer epoch exists,
+publishes progress every ``progress_interval`` seconds, and writes queued events. The
+training loop only reads plain attributes set here.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+from orchestrator.store import Event, JobStore, Progress, StoreError, World
+
+log = logging.getLogger(__name__)
+
+
+class ControlLink:
+    def __init__(
+        self,
+        jobstore: JobStore,
+        rank_source: object,
+        node: str,
+        on_epoch: object,
+        progress_interval: float = 1.0,
+        poll_interval: float = 1.0,
+    ) -> None:
+        self.js = jobstore
+        self._session = rank_source  # has .rank, .committed, .epoch, .step_time, .metrics
+        self.node = node
+        self._on_epoch = on_epoch
+        self.progress_interval = progress_interval
+        self.poll_interval = poll_interval
+        self.latest_epoch = 0
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hotspare-control", daemon=True)
+        self._cancel_watch = lambda: None
+
+    def start(self) -> None:
+        self._cancel_watch = self.js.store.watch_prefix(self.js.keys.epoch, self._wake.set)
+        self._thread.start()
+
+    def stop(self, flush_timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(flush_timeout)
+        self._cancel_watch()
+        self._flush_events()
+
+    def event(self, kind: str, message: str = "", /, **data: object) -> None:
+        """Queue an event (time taken now); written by the control thread."""
+        self._events.put(
+            Event(time=time.time(), kind=kind, source=f"rank{self._session.rank}", message=message, data=dict(data))
+        )
+        self._wake.set()
+
+    def world(self, epoch: int, timeout: float = 30.0) -> World:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                w = self.js.world(epoch)
+                if w is not None:
+                    return w
+            except StoreError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"world of epoch {epoch} not readable after {timeout:.0f}s")
+            time.sleep(0.05)
+
+    def check_epoch(self) -> int:
+        try:
+            e = self.js.epoch()
+        except StoreError:
+            return self.latest_epoch
+        if e > self.latest_epoch:
+            self.latest_epoch = e
+            self._on_epoch(e)
+        return self.latest_epoch
+
+    def _flush_events(self) -> None:
+        while True:
+            try:
+                ev = self._events.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.js.put_event(ev)
+            except StoreError:
+                self._events.put(ev)  # keep it for later; etcd is away
+                return
+
+    def _run(self) -> None:
+        last_poll = last_progress = 0.0
+        published = None
+        while not self._stop.is_set():
+            woke = self._wake.wait(0.2)
+            self._wake.clear()
+            now = time.monotonic()
+            if woke or now - last_poll >= self.poll_interval:
+                self.check_epoch()  # one cheap get; the watch makes it prompt
+                last_poll = now
+            s = self._session
+            if now - last_progress >= self.progress_interval and s.committed != published:
+                try:
+                    self.js.put_progress(
+                        Progress(
+                            rank=s.rank,
+                            step=s.committed,
+                            epoch=s.epoch,
+                            node=self.node,
+                            time=time.time(),
+                            step_time=s.step_time,
+                            metrics=dict(s.metrics),
+                        )
+                    )
+                    published = s.committed
+                    last_progress = now
+                except StoreError:
+                    pass
+            self._flush_events()
