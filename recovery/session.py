@@ -206,7 +206,16 @@ class Session:
                 self.epoch = epoch
                 continue
             self.rank, self.world_size, self.epoch = rank, size, epoch
-            self.link.event("rebuilt", f"rank {rank} joined epoch {epoch}", epoch=epoch, rank=rank, began=t0, seconds=time.time() - t0)
+            self.link.event(
+                "rebuilt",
+                f"rank {rank} joined epoch {epoch}",
+                epoch=epoch,
+                rank=rank,
+                began=t0,
+                seconds=time.time() - t0,
+                pid=os.getpid(),
+                node=self.node,
+            )
             vote = torch.tensor([self.committed if self.committed >= 0 else NO_STATE], dtype=torch.int64)
             if not self._pg.allreduce_(vote, dist.ReduceOp.MIN):
                 continue

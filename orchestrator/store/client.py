@@ -48,6 +48,10 @@ def _translate(what: str) -> Iterator[None]:
 
     try:
         yield
+    except ValueError as e:  # python3-etcd3: "Trying to use a failed node"
+        if "failed node" in str(e):
+            raise StoreUnavailable(f"etcd unavailable during {what}: {e}") from e
+        raise
     except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, ex.NoServerAvailableError) as e:
         raise StoreUnavailable(f"etcd unavailable during {what}: {type(e).__name__}") from e
     except ex.PreconditionFailedError as e:
@@ -62,6 +66,17 @@ def _translate(what: str) -> Iterator[None]:
         if name == "NOT_FOUND" and "lease" in (e.details() or ""):
             raise LeaseLost(f"{what}: {e.details()}") from e
         raise StoreError(f"{what}: {name}: {e.details() if hasattr(e, 'details') else e}") from e
+
+
+def _patch_etcd3() -> None:
+    """python3-etcd3 0.13 uses ``six`` in its watch thread's error path without importing
+    it, so every broken watch stream crashed that thread with a NameError."""
+    import etcd3.watch
+
+    if not hasattr(etcd3.watch, "six"):
+        import six
+
+        etcd3.watch.six = six
 
 
 def parse_endpoint(url: str) -> tuple[str, int, bool]:
@@ -139,6 +154,7 @@ class Store:
     ) -> None:
         import etcd3
 
+        _patch_etcd3()
         if not endpoints:
             raise ValueError("Store needs at least one etcd endpoint")
         self.endpoints = list(endpoints)
@@ -156,7 +172,178 @@ class Store:
                 user=user,
                 password=password,
             )
-        self._watches: list[int] = []
+        # python3-etcd3 marks an endpoint "failed" for 300 s after one error: with a single
+        # endpoint the client would be useless for 5 minutes after a blip. Retry at once.
+        for ep in getattr(self._client, "endpoints", {}).values():
+            ep.time_retry = 0.0
+
+    # -- reads ------------------------------------------------------------------------
+    def get(self, key: str) -> KV | None:
+        with _translate(f"get {key}"):
+            value, meta = self._client.get(key)
+        if value is None:
+            return None
+        return KV(key, value, meta.mod_revision, meta.create_revision)
+
+    def get_prefix(self, prefix: str) -> tuple[list[KV], int]:
+        """All keys under ``prefix`` at one revision, and that revision."""
+        with _translate(f"get_prefix {prefix}"):
+            resp = self._client.get_prefix_response(prefix, sort_order="ascend", sort_target="key")
+        kvs = [
+            KV(kv.key.decode(), kv.value, kv.mod_revision, kv.create_revision) for kv in resp.kvs
+        ]
+        return kvs, resp.header.revision
+
+    def ping(self) -> None:
+        with _translate("status"):
+            self._client.status()
+
+    # -- writes -----------------------------------------------------------------------
+    def put(self, key: str, value: bytes | str, lease: Lease | None = None) -> None:
+        with _translate(f"put {key}"):
+            self._client.put(key, value, lease=lease.id if lease else None)
+
+    def delete(self, key: str) -> None:
+        with _translate(f"delete {key}"):
+            self._client.delete(key)
+
+    def delete_prefix(self, prefix: str) -> None:
+        with _translate(f"delete_prefix {prefix}"):
+            self._client.delete_prefix(prefix)
+
+    def create(self, key: str, value: bytes | str, lease: Lease | None = None) -> bool:
+        """Put ``key`` only if it does not exist. True if we created it."""
+        return self.txn([Compare(key, "create", "==", 0)], puts={key: value}, lease=lease)
+
+    def txn(
+        self,
+        compares: Sequence[Compare],
+        puts: dict[str, bytes | str] | None = None,
+        deletes: Sequence[str] = (),
+        lease: Lease | None = None,
+    ) -> bool:
+        """Apply ``puts`` and ``deletes`` atomically iff every compare holds."""
+        c = self._client
+        tx = c.transactions
+        guards = []
+        for cmp in compares:
+            target = {
+                "value": tx.value,
+                "mod": tx.mod,
+                "version": tx.version,
+                "create": tx.create,
+            }[cmp.target](cmp.key)
+            guards.append(
+                {
+                    "==": target.__eq__,
+                    "!=": target.__ne__,
+                    "<": target.__lt__,
+                    ">": target.__gt__,
+                }[cmp.op](cmp.value)
+            )
+        ops = [tx.put(k, v, lease=lease.id if lease else None) for k, v in (puts or {}).items()]
+        ops += [tx.delete(k) for k in deletes]
+        with _translate("txn"):
+            ok, _ = c.transaction(compare=guards, success=ops, failure=[])
+        return bool(ok)
+
+    def lease(self, ttl: float) -> Lease:
+        return Lease(self, max(1, int(round(ttl))))
+
+    # -- watches ----------------------------------------------------------------------
+    def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback()`` (no arguments) on any change under ``prefix``.
+
+        Watches are a latency optimisation only: every user also polls, so a watch lost
+        during an etcd outage costs speed, not correctness. A broken watch stream is
+        re-established in the background. Returns a cancel function.
+        """
+        state = {"id": None, "cancelled": False}
+        lock = threading.Lock()
+
+        def on_event(resp: object) -> None:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - a watcher must never kill the watch thread
+                log.exception("watch callback failed")
+            if isinstance(resp, Exception):
+                threading.Thread(target=establish, args=(1.0,), daemon=True).start()
+
+        def establish(delay: float = 0.0) -> None:
+            while True:
+                if delay:
+                    time.sleep(delay)
+                with lock:
+                    if state["cancelled"]:
+                        return
+                    try:
+                        with _translate(f"watch {prefix}"):
+                            state["id"] = self._client.add_watch_prefix_callback(prefix, on_event)
+                        return
+                    except (StoreError, ValueError) as e:
+                        log.debug("watch on %s not established: %s", prefix, e)
+                delay = 1.0
+
+        try:
+            with _translate(f"watch {prefix}"):
+                state["id"] = self._client.add_watch_prefix_callback(prefix, on_event)
+        except StoreError:
+            threading.Thread(target=establish, args=(1.0,), daemon=True).start()
+
+        def cancel() -> None:
+            with lock:
+                state["cancelled"] = True
+                wid = state["id"]
+            if wid is not None:
+                try:
+                    self._client.cancel_watch(wid)
+                except Exception:  # noqa: BLE001
+                    pass
+
+        return cancel
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class Store:
+    """Connection to etcd with the handful of operations hotspare needs."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        timeout: float = 5.0,
+        ca_cert: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+    ) -> None:
+        import etcd3
+
+        _patch_etcd3()
+        if not endpoints:
+            raise ValueError("Store needs at least one etcd endpoint")
+        self.endpoints = list(endpoints)
+        host, port, tls = parse_endpoint(self.endpoints[0])
+        if tls and not ca_cert:
+            raise ValueError(f"{self.endpoints[0]} is https: give the etcd CA certificate (ca_cert)")
+        with _translate("connect"):
+            self._client = etcd3.client(
+                host=host,
+                port=port,
+                timeout=timeout,
+                ca_cert=ca_cert,
+                cert_key=key,
+                cert_cert=cert,
+                user=user,
+                password=password,
+            )
+        # python3-etcd3 marks an endpoint "failed" for 300 s after one error: with a single
+        # endpoint the client would be useless for 5 minutes after a blip. Retry at once.
+        for ep in getattr(self._client, "endpoints", {}).values():
+            ep.time_retry = 0.0
 
     # -- reads ------------------------------------------------------------------------
     def get(self, key: str) -> KV | None:

@@ -1,0 +1,117 @@
+"""Shared fixtures: a real etcd on a free loopback port, real controllers and agents."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.etcd_server import start_etcd, stop_pid
+from orchestrator.store import JobStore, Store
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    srv = start_etcd(tmp_path / "etcd", log_path=tmp_path / "etcd.log")
+    yield srv
+    srv.resume() if srv.proc and srv.proc.poll() is None else None
+    srv.stop()
+
+
+class Cluster:
+    """A real etcd plus the processes a test starts against it; all killed at teardown."""
+
+    def __init__(self, etcd, tmp_path: Path) -> None:
+        self.etcd = etcd
+        self.endpoint = etcd.endpoint
+        self.tmp = tmp_path
+        self.store = Store([self.endpoint])
+        self.procs: list[subprocess.Popen] = []
+        self.env = dict(os.environ, HOTSPARE_ETCD=self.endpoint, HOTSPARE_STATE_DIR=str(tmp_path / "state"),
+                        PYTHONUNBUFFERED="1")
+
+    def hotspare(self, *args: str, timeout: float = 240, check: bool = False) -> subprocess.CompletedProcess:
+        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], env=self.env,
+                           capture_output=True, text=True, timeout=timeout, cwd=self.tmp)
+        if check and r.returncode != 0:
+            raise AssertionError(f"hotspare {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
+        return r
+
+    def spawn(self, *args: str, log: str) -> subprocess.Popen:
+        f = open(self.tmp / log, "ab")
+        p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], env=self.env, stdout=f,
+                             stderr=subprocess.STDOUT, start_new_session=True, cwd=self.tmp)
+        self.procs.append(p)
+        return p
+
+    def controller(self, ttl: float = 2.0) -> subprocess.Popen:
+        return self.spawn("controller", "--ttl", str(ttl), log=f"controller-{len(self.procs)}.log")
+
+    def agent(self, job: str, node: str, spare: bool = False) -> subprocess.Popen:
+        return self.spawn("agent", "--job", job, "--node", node, *(["--spare"] if spare else []),
+                          log=f"agent-{node}.log")
+
+    def spec_file(self, **fields) -> Path:
+        spec = {
+            "entrypoint": str(EXAMPLES / "allreduce.py") + ":train",
+            "ranks": 3,
+            "spares": 1,
+            "steps": 120,
+            "lease_ttl": 2,
+            "hang_timeout": 4,
+            "output_dir": str(self.tmp / "out" / fields.get("name", "job")),
+            "args": {"step_sleep": 0.03},
+        }
+        spec.update(fields)
+        path = self.tmp / f"{spec['name']}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        return path
+
+    def job(self, name: str) -> JobStore:
+        return JobStore(self.store, name)
+
+    def wait(self, pred, timeout: float = 120, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pred():
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+    def run_json(self, *args: str, timeout: float = 240) -> tuple[dict, subprocess.CompletedProcess]:
+        r = self.hotspare("run", *args, "--json", timeout=timeout)
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        assert lines, f"no JSON summary; rc={r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
+        return json.loads(lines[-1]), r
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        agents = self.tmp / "out"
+        for f in agents.glob("*/agents.json"):
+            for pid in json.loads(f.read_text()).values():
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    stop_pid(pid, 1)
+        self.store.close()
+
+
+@pytest.fixture
+def cluster(etcd, tmp_path):
+    c = Cluster(etcd, tmp_path)
+    yield c
+    c.close()

@@ -1,0 +1,44 @@
+"""The CLI's user-facing errors: one clear line, exit code 2, nothing started."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"ranks": 0}, ["ranks", "must be >= 1", "got 0"]),
+        ({"on_no_spare": "retry"}, ["on_no_spare", "wait, shrink, fail", "retry"]),
+        ({"rank": 3}, ["unknown field 'rank'", "did you mean 'ranks'"]),
+        ({"entrypoint": "missing.py:train"}, ["entrypoint", "missing.py"]),
+        ({"chaos": [{"at_step": -1, "action": "kill-rank", "rank": 0}]}, ["chaos[0].at_step", "-1"]),
+    ],
+)
+def test_malformed_spec_is_one_clear_error_and_nothing_is_submitted(cluster, fields, words):
+    spec = cluster.spec_file(name="bad", **fields)
+    r = cluster.hotspare("run", str(spec))
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1, r.stderr
+    for w in words:
+        assert w in err[0], err[0]
+    assert not cluster.job("bad").exists()
+
+
+def test_status_of_unknown_job_names_it(cluster):
+    r = cluster.hotspare("status", "nope")
+    assert r.returncode == 2 and "no job named 'nope'" in r.stderr
+
+
+def test_dry_run_prints_the_resolved_spec_without_submitting(cluster):
+    spec = cluster.spec_file(name="dry")
+    r = cluster.hotspare("submit", str(spec), "--dry-run", check=True)
+    assert '"ranks": 3' in r.stdout and not cluster.job("dry").exists()
+
+
+def test_every_command_has_help(cluster):
+    for cmd in ("up", "down", "run", "submit", "status", "events", "logs", "cancel", "chaos",
+                "agent", "controller"):
+        r = cluster.hotspare(cmd, "--help", check=True)
+        assert "usage: hotspare " + cmd in r.stdout
