@@ -198,9 +198,16 @@ def _reconcile(obs: JobSnapshot, spec: dict, world: World) -> Decision:
                 losses=tuple(losses),
                 clear_reports=handled,
             )
+        # a survivor whose rank number changes holds a new rank from the new epoch on, so
+        # reports about the old holder of that number are recognised as stale
+        first_lost = min(lost_ranks)
+        seats = tuple(
+            Seat(s.node, s.incarnation, s.since if i < first_lost else world.epoch + 1)
+            for i, s in enumerate(survivors)
+        )
         new = World(
             epoch=world.epoch + 1,
-            seats=tuple(Seat(s.node, s.incarnation, s.since) for s in survivors),
+            seats=seats,
             reason=what,
             lost=tuple(sorted(lost_ranks)),
             shrunk_from=world.size,
@@ -243,8 +250,10 @@ def _choose_spares(
     """One node per loss, never a failed node; prefer spare-role, warm, emptier nodes."""
     free = _free_capacity(obs, world, failed_nodes, lost_ranks)
 
+    warm = {name: obs.nodes[name].warm for name in free}
+
     def rank_key(n: Node) -> tuple:
-        return (n.role != "spare", n.warm <= 0, -free.get(n.name, 0), n.name)
+        return (n.role != "spare", warm[n.name] <= 0, -free.get(n.name, 0), n.name)
 
     chosen: list[str] = []
     for _ in losses:
@@ -253,5 +262,6 @@ def _choose_spares(
             return None
         pick = cands[0].name
         free[pick] -= 1
+        warm[pick] -= 1  # its warm worker is taken by this pick
         chosen.append(pick)
     return chosen
