@@ -31,6 +31,7 @@ from orchestrator.store import (
 )
 
 from .heartbeat import RUNNING, STATE_NAMES, WARM, Heartbeat
+from .replica import ReplicaServer, ReplicaStore, Replicator
 
 log = logging.getLogger("hotspare.agent")
 
@@ -51,6 +52,27 @@ def store_from_env(env: dict[str, str] | None = None) -> Store:
         user=e.get("HOTSPARE_ETCD_USER") or None,
         password=e.get("HOTSPARE_ETCD_PASSWORD") or None,
     )
+
+
+def ring_buddies(world, nodes: dict, me: str, k: int) -> list[tuple[str, str, int]]:
+    """The ``k`` nodes after ``me`` in ring order (nodes of the world, in seat order) that
+    hold this node's replicas; never this node itself."""
+    ring: list[str] = []
+    for seat in world.seats:
+        if seat.node not in ring:
+            ring.append(seat.node)
+    if me not in ring or k <= 0:
+        return []
+    i = ring.index(me)
+    out = []
+    for j in range(1, len(ring)):
+        name = ring[(i + j) % len(ring)]
+        n = nodes.get(name)
+        if n is not None and n.replica_port:
+            out.append((name, n.host, n.replica_port))
+        if len(out) == k:
+            break
+    return out
 
 
 @dataclass
@@ -108,6 +130,20 @@ class Agent:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"hotspare-{self.job}-{self.node}-", dir=base))
+        secret = self.js.secret()
+        replicas = ReplicaStore(self.run_dir)
+        self._server = ReplicaServer(replicas, secret, host=self.host).start()
+        self._buddies: list[tuple[str, str, int]] = []
+        self._replicator = Replicator(
+            replicas,
+            secret,
+            buddies=lambda: self._buddies,
+            local_ranks=lambda: {
+                w.rank for w in list(self.workers.values()) if w.rank is not None and w.proc.poll() is None
+            },
+        )
+        if int(self.spec.get("replicas", 1)) > 0:
+            self._replicator.start()
         self._register()
         cancel_watch = self.store.watch_prefix(self.js.keys.prefix, self._wake.set)
         signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
@@ -156,6 +192,7 @@ class Agent:
             role=self.role,
             slots=self.slots,
             host=self.host,
+            replica_port=self._server.port,
             pid=os.getpid(),
             warm=warm,
         )
@@ -202,6 +239,7 @@ class Agent:
         world = snap.world
         if world is None:
             return
+        self._buddies = ring_buddies(world, snap.nodes, self.node, int(self.spec.get("replicas", 1)))
         mine = set(world.ranks_on(self.node, self.incarnation))
         held = {w.rank: w for w in self.workers.values() if w.rank is not None}
         for rank, w in held.items():
@@ -291,6 +329,7 @@ class Agent:
                 "HOTSPARE_INCARNATION": self.incarnation,
                 "HOTSPARE_HB": str(hb_path),
                 "HOTSPARE_LOG_DIR": str(self.log_dir),
+                "HOTSPARE_SNAP_DIR": str(self.run_dir),
                 "HOTSPARE_AGENT_PID": str(os.getpid()),
                 "PYTHONUNBUFFERED": "1",
             }
@@ -337,6 +376,8 @@ class Agent:
                 w.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 w.proc.kill()
+        self._replicator.stop()
+        self._server.stop()
         if self._lease is not None:
             try:
                 self.store.delete(self.js.keys.node(self.node))

@@ -54,6 +54,18 @@ def load_entrypoint(entrypoint: str) -> Callable:
     return fn
 
 
+def prewarm_torch() -> None:
+    """Pay torch's lazy imports now, not after the assignment: the first optimizer built
+    imports torch._dynamo (~1.5 s on a small CPU), the first backward the autograd engine."""
+    import torch
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    (p * 2).sum().backward()
+    opt.step()
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+
 def main() -> int:
     die_with_parent()
     env = os.environ
@@ -79,6 +91,10 @@ def main() -> int:
         print(f"job {job} has no spec in etcd", file=sys.stderr)
         return 2
     fn = load_entrypoint(spec["entrypoint"])
+    prewarm_torch()
+    warm = getattr(sys.modules.get(fn.__module__), "warmup", None)
+    if callable(warm):  # the job's own warm-up (load data, build caches) before any rank
+        warm(**(spec.get("args") or {}))
     hb.beat(-1, WARM)
 
     line = sys.stdin.readline()

@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,11 +25,18 @@ from orchestrator.store import JobStore, Store, StoreError
 from orchestrator.store.c10d import EtcdC10dStore, RendezvousAborted
 
 from .control import ControlLink
+from .final import write_manifest, write_rank
 from .process_group import ReconfigurableProcessGroup
+from .snapshot import SnapshotEngine, restore, tensors_from_bytes
+from .state import RNGState, provider_for
 
 log = logging.getLogger(__name__)
 
-NO_STATE = 2**62  # a newcomer's vote in the resume-step agreement: "I hold nothing"
+WINDOW = 64  # steps considered when agreeing on a common snapshot (newest - 63 .. newest)
+
+
+class _StepFailed(Exception):
+    """A collective of the recovery protocol failed: wait for the next epoch."""
 
 
 class Fenced(SystemExit):
@@ -76,8 +85,36 @@ class Session:
         self.link = ControlLink(self.js, self, node, on_epoch=self._pg.supersede)
         self._grad_buf: torch.Tensor | None = None
         self._resumed_pending = False
+        snap_dir = Path(os.environ.get("HOTSPARE_SNAP_DIR") or tempfile.mkdtemp(prefix="hotspare-snap-"))
+        self.snapshots = SnapshotEngine(snap_dir, rank, slots=int(spec.get("snapshot_slots", 3)))
+        self.snapshots.providers = [("rng", RNGState())]
+        self._dirty = False  # an optimizer stepped since the last snapshot
+        self._secret = b""
+        self.last_restore: dict = {}
 
     # -- public API -----------------------------------------------------------------------
+    def track(self, **components: object) -> None:
+        """Register state to snapshot and restore: ``model=``, ``optimizer=``,
+        ``scheduler=``, ``data=`` (anything with ``state_dict``/``load_state_dict``),
+        ``extra=`` (a dict of JSON values, restored in place) or custom providers.
+        torch/numpy/Python RNG states are always tracked."""
+        providers = list(self.snapshots.providers)
+        for name, obj in components.items():
+            if obj is None:
+                continue
+            if any(n == name or n.startswith(name + ".") for n, _ in providers):
+                raise ValueError(f"track(): {name!r} is already tracked")
+            providers += provider_for(name, obj)
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.register_step_pre_hook(self._before_optimizer_step)
+        self.snapshots.providers = providers
+
+    def _before_optimizer_step(self, *_: object) -> None:
+        # parameters and optimizer state are about to change: the previous step's
+        # snapshot copy must be done reading them (usually it long is)
+        self.snapshots.wait()
+        self._dirty = True
+
     @property
     def process_group(self) -> ReconfigurableProcessGroup:
         return self._pg
@@ -122,6 +159,7 @@ class Session:
             step = self._join()
             while True:
                 if step >= total:
+                    self._write_final(total)
                     if self._pg.barrier():
                         break
                     step = self._join()
@@ -140,15 +178,19 @@ class Session:
                     continue
                 self.step_time = time.perf_counter() - t0
                 self.committed = step
+                self.snapshots.capture(step)
+                self._dirty = False
                 self._beat(step)
                 if self._resumed_pending:
                     self._resumed_pending = False
                     self.link.event("resumed", f"rank {self.rank} completed step {step}", epoch=self.epoch, rank=self.rank, step=step)
                 step += 1
+            write_manifest(self.spec["output_dir"], self.job, self.world_size, total, self.epoch)
             self.js.mark_done(self.rank, self.epoch, total)
             self.link.event("finished", f"rank {self.rank} finished {total} steps", rank=self.rank, epoch=self.epoch)
         finally:
             self.link.stop()
+            self.snapshots.close()
 
     # -- internals ------------------------------------------------------------------------
     def _beat(self, step: int | None = None) -> None:
@@ -198,6 +240,7 @@ class Session:
             epoch = self._next_epoch()
             rank, size = self._locate(epoch)
             t0 = time.time()
+            log.info("joining epoch %d as rank %d of %d", epoch, rank, size)
             try:
                 self._pg.configure(epoch, rank, size)
             except (RendezvousAborted, RuntimeError, TimeoutError) as e:
@@ -206,6 +249,7 @@ class Session:
                 self.epoch = epoch
                 continue
             self.rank, self.world_size, self.epoch = rank, size, epoch
+            log.info("group of epoch %d built in %.3fs", epoch, time.time() - t0)
             self.link.event(
                 "rebuilt",
                 f"rank {rank} joined epoch {epoch}",
@@ -216,19 +260,111 @@ class Session:
                 pid=os.getpid(),
                 node=self.node,
             )
-            vote = torch.tensor([self.committed if self.committed >= 0 else NO_STATE], dtype=torch.int64)
-            if not self._pg.allreduce_(vote, dist.ReduceOp.MIN):
+            try:
+                restore_step, info = self._agree_and_restore(epoch)
+            except _StepFailed:
                 continue
-            agreed = int(vote.item())
-            restore = -1 if agreed == NO_STATE else agreed
-            self._restore(restore)
-            self.committed = restore
+            self.committed = restore_step
             self._resumed_pending = epoch > 1
-            self.link.event("restored", f"rank {rank} resumes after step {restore}", epoch=epoch, rank=rank, restore_step=restore)
-            return restore + 1
+            self.last_restore = info
+            self.link.event(
+                "restored",
+                f"rank {rank} resumes after step {restore_step} ({info['source']})",
+                epoch=epoch,
+                rank=rank,
+                restore_step=restore_step,
+                **info,
+            )
+            return restore_step + 1
 
-    def _restore(self, step: int) -> None:
-        """Bring tracked state to the end of ``step`` (state providers plug in here)."""
+    def _holders(self) -> dict[int, list[tuple[str, str, int]]]:
+        """step -> replica holders of this rank's state, asking every live agent."""
+        from agents.replica import list_steps
+
+        snap = self.js.snapshot()
+        if not self._secret:
+            self._secret = self.js.secret()
+        found: dict[int, list[tuple[str, str, int]]] = {}
+        for n in snap.nodes.values():
+            if not n.replica_port:
+                continue
+            try:
+                for s in list_steps(n.host, n.replica_port, self._secret, self.rank):
+                    found.setdefault(s, []).append((n.name, n.host, n.replica_port))
+            except Exception as e:  # noqa: BLE001 - a dead or partitioned holder
+                log.info("replica holder %s unreachable: %s", n.name, e)
+        return found
+
+    def _agree_and_restore(self, epoch: int) -> tuple[int, dict]:
+        """Agree on the newest step every member can restore, then restore it.
+
+        Survivors offer the steps in their own snapshot slots; a newcomer (spare) offers
+        the steps replica holders have for its rank. Two small allreduces: MAX of each
+        member's newest step, then MIN of an availability mask over the 64 steps below it.
+        """
+        t0 = time.time()
+        local = set(self.snapshots.available())
+        remote: dict[int, list[tuple[str, str, int]]] = {}
+        if not local and epoch > 1:
+            remote = self._holders()
+        offer = local | set(remote)
+        newest = torch.tensor([max(offer) if offer else -2], dtype=torch.int64)
+        if not self._pg.allreduce_(newest, dist.ReduceOp.MAX):
+            raise _StepFailed()
+        top = int(newest.item())
+        if top == -2:  # nobody holds any state: a fresh start
+            self.snapshots.capture(-1)
+            self.snapshots.wait()
+            return -1, {"source": "fresh start", "bytes": 0, "seconds": 0.0}
+        mask = torch.tensor([1 if top - i in offer else 0 for i in range(WINDOW)], dtype=torch.int64)
+        if not self._pg.allreduce_(mask, dist.ReduceOp.MIN):
+            raise _StepFailed()
+        common = [top - i for i in range(WINDOW) if mask[i].item() == 1]
+        if not common:
+            raise RuntimeError(
+                f"rank {self.rank}: no snapshot step is held by every member of epoch {epoch} "
+                f"(this rank offers {sorted(offer)[-5:]}, newest anywhere {top}); the state of a "
+                "lost rank and all its replicas is gone"
+            )
+        step = max(common)
+        if step in local:
+            skip = set() if (self._dirty or step != self.committed) else {
+                n for n, p in self.snapshots.providers if p.async_ok
+            }
+            self.snapshots.load_local(step, skip=skip)
+            self.snapshots.invalidate_after(step)
+            source = "own snapshot" + (" (small state only)" if skip else "")
+            nbytes = 0
+        else:
+            header, body, holder = self._fetch(step, remote[step])
+            restore(self.snapshots.providers, tensors_from_bytes(header, body), header["meta"])
+            self.snapshots.capture(step)
+            self.snapshots.wait()
+            source, nbytes = f"replica on {holder}", len(body)
+        self._dirty = False
+        return step, {"source": source, "bytes": nbytes, "seconds": round(time.time() - t0, 4)}
+
+    def _fetch(self, step: int, holders: list[tuple[str, str, int]]) -> tuple[dict, bytes, str]:
+        from agents.replica import fetch
+
+        errors = []
+        for name, host, port in holders:
+            try:
+                header, body = fetch(host, port, self._secret, self.rank, step)
+                return header, body, name
+            except Exception as e:  # noqa: BLE001 - try the next holder
+                log.warning("replica of rank %d step %d from %s rejected: %s", self.rank, step, name, e)
+                errors.append(f"{name}: {e}")
+        raise RuntimeError(f"rank {self.rank}: no usable replica of step {step}: " + "; ".join(errors))
+
+    def _write_final(self, total: int) -> None:
+        self.snapshots.wait()
+        tensors: dict[str, torch.Tensor] = {}
+        meta: dict = {}
+        for name, p in self.snapshots.providers:
+            tensors.update({f"{name}/{k}": t for k, t in p.tensors().items()})
+            meta[name] = p.meta()
+        write_rank(self.spec["output_dir"], self.rank, total - 1, tensors, meta)
 
     def _maybe_chaos(self, step: int) -> None:
         for i, c in enumerate(self.spec.get("chaos") or ()):

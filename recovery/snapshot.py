@@ -1,0 +1,247 @@
+"""Lazy asynchronous snapshots into shared-memory slots (DataStates-style).
+
+At the end of step ``s`` the engine captures small state (RNG, data position, buffers,
+JSON) synchronously and starts copying parameters and optimizer state into a slot in a
+background thread, while the next step's forward and backward run. Those tensors only
+change inside ``optimizer.step()``, whose pre-hook waits for the copy if it is still
+running — that is the only place training can ever wait.
+
+Slots are files in the agent's shared-memory directory (``/dev/shm``): a worker that
+crashes leaves its last complete snapshots behind for its agent to serve. A slot is
+
+    [0, 64)        control block: magic, state, step, seq, header_len, data_off, data_len
+    [64, data_off) JSON header: tensor table (name, dtype, shape, offset, nbytes) + meta
+    [data_off, )   raw tensor bytes, 64-byte aligned
+
+``state`` is WRITING while a copy is in flight and COMPLETE after it; ``seq`` changes on
+every write, so a reader (the agent's replicator) can detect a slot reused under it.
+The newest complete slot is never the one a copy writes into.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .slotfile import _CTRL, COMPLETE, CTRL_SIZE, EMPTY, MAGIC, WRITING
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
+    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def _align(n: int, a: int = 64) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # relative to data_off
+    nbytes: int
+
+
+def plan(tensors: Mapping[str, torch.Tensor]) -> list[TensorInfo]:
+    out, off = [], 0
+    for name, t in tensors.items():
+        if t.dtype not in DTYPE_NAMES:
+            raise TypeError(f"tensor {name}: dtype {t.dtype} is not supported in snapshots")
+        nbytes = t.numel() * t.element_size()
+        out.append(TensorInfo(name, DTYPE_NAMES[t.dtype], tuple(t.shape), off, nbytes))
+        off = _align(off + nbytes)
+    return out
+
+
+class Slot:
+    """One snapshot file, memory-mapped."""
+
+    def __init__(self, path: Path, header_cap: int, data_len: int, create: bool = True) -> None:
+        self.path = path
+        self.data_off = _align(CTRL_SIZE + header_cap, 4096)
+        self.size = self.data_off + max(data_len, 1)
+        if create:
+            with open(path, "wb") as f:
+                f.truncate(self.size)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.mm = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.data_off,
+                                     count=self.size - self.data_off)
+        self.header_cap = self.data_off - CTRL_SIZE
+        if create:
+            self.set_ctrl(EMPTY, -2, 0, 0)
+
+    def ctrl(self) -> tuple[int, int, int, int, int, int]:
+        magic, state, step, seq, hlen, doff, dlen = struct.unpack_from(_CTRL, self.mm, 0)
+        return state, step, seq, hlen, doff, dlen
+
+    def set_ctrl(self, state: int, step: int, seq: int, hlen: int) -> None:
+        struct.pack_into(_CTRL, self.mm, 0, MAGIC, state, step, seq, hlen, self.data_off,
+                         self.size - self.data_off)
+
+    def view(self, info: TensorInfo) -> torch.Tensor:
+        raw = self.data[info.offset : info.offset + info.nbytes]
+        return raw.view(DTYPES[info.dtype]).view(info.shape)
+
+    def close(self) -> None:
+        self.data = None  # type: ignore[assignment]
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+
+
+class SnapshotEngine:
+    """Per-rank ring of ``slots`` snapshot files under ``directory``."""
+
+    def __init__(self, directory: Path, rank: int, slots: int = 3) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.nslots = max(2, slots)
+        self._slots: list[Slot | None] = [None] * self.nslots
+        self._steps = [-2] * self.nslots  # complete step per slot (-2: none)
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.providers: list[tuple[str, Any]] = []
+        self.last_capture_s = 0.0
+        self.last_wait_s = 0.0
+
+    def path(self, k: int, rank: int | None = None) -> Path:
+        return self.dir / f"rank{self.rank if rank is None else rank}.slot{k}"
+
+    # -- capture --------------------------------------------------------------------------
+    def capture(self, step: int) -> None:
+        """Snapshot the providers as of the end of ``step`` (returns before the big copy)."""
+        t0 = time.perf_counter()
+        self.wait()
+        sync: dict[str, torch.Tensor] = {}
+        lazy: dict[str, torch.Tensor] = {}
+        meta: dict[str, Any] = {}
+        for name, p in self.providers:
+            ts = p.tensors()
+            (lazy if p.async_ok else sync).update({f"{name}/{k}": t for k, t in ts.items()})
+            meta[name] = p.meta()
+        tensors = {**sync, **lazy}
+        infos = plan(tensors)
+        header = {"rank": self.rank, "step": step, "tensors": [i.__dict__ for i in infos],
+                  "meta": meta, "time": time.time()}
+        data_len = (infos[-1].offset + infos[-1].nbytes) if infos else 0
+        header["data_len"] = data_len
+        hb = json.dumps(header, separators=(",", ":")).encode()
+        k = self._pick_slot()
+        slot = self._slots[k]
+        if slot is None or slot.header_cap < len(hb) or slot.size - slot.data_off < data_len:
+            if slot is not None:
+                slot.close()
+            slot = self._slots[k] = Slot(self.path(k), max(65536, 2 * len(hb)), data_len)
+        self._seq += 1
+        seq = self._seq
+        slot.set_ctrl(WRITING, step, seq, len(hb))
+        self._steps[k] = -2
+        slot.mm[CTRL_SIZE : CTRL_SIZE + len(hb)] = hb
+        by_name = {i.name: i for i in infos}
+        for name, t in sync.items():
+            slot.view(by_name[name]).copy_(t)
+        jobs = [(slot.view(by_name[name]), t) for name, t in lazy.items()]
+
+        def finish() -> None:
+            try:
+                for dst, src in jobs:
+                    dst.copy_(src)
+                slot.set_ctrl(COMPLETE, step, seq, len(hb))
+                self._steps[k] = step
+            except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+                self._error = e
+
+        if jobs:
+            self._thread = threading.Thread(target=finish, name=f"snapshot-{step}", daemon=True)
+            self._thread.start()
+        else:
+            finish()
+        self.last_capture_s = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Block until the copy in flight (if any) is complete."""
+        t = self._thread
+        if t is not None:
+            t0 = time.perf_counter()
+            t.join()
+            self.last_wait_s = time.perf_counter() - t0
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise RuntimeError(f"snapshot copy failed: {e}") from e
+
+    def _pick_slot(self) -> int:
+        # the oldest (or empty) slot; never the newest complete one
+        return min(range(self.nslots), key=lambda k: self._steps[k])
+
+    # -- restore --------------------------------------------------------------------------
+    def available(self) -> list[int]:
+        self.wait()
+        return sorted(s for s in self._steps if s >= -1)
+
+    def invalidate_after(self, step: int) -> None:
+        """Forget snapshots newer than ``step`` (after a rollback they are another future)."""
+        for k, s in enumerate(self._steps):
+            if s > step and self._slots[k] is not None:
+                self._slots[k].set_ctrl(EMPTY, -2, 0, 0)
+                self._steps[k] = -2
+
+    def load_local(self, step: int, skip: set[str] = frozenset()) -> None:
+        self.wait()
+        k = self._steps.index(step)
+        slot = self._slots[k]
+        assert slot is not None
+        state, _, _, hlen, _, _ = slot.ctrl()
+        header = json.loads(bytes(slot.mm[CTRL_SIZE : CTRL_SIZE + hlen]))
+        infos = [TensorInfo(**{**i, "shape": tuple(i["shape"])}) for i in header["tensors"]]
+        restore(
+            [(n, p) for n, p in self.providers if n not in skip],
+            {i.name: slot.view(i) for i in infos},
+            header["meta"],
+        )
+
+    def close(self) -> None:
+        self.wait()
+        for s in self._slots:
+            if s is not None:
+                s.close()
+
+
+def restore(providers: list[tuple[str, Any]], tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+    """Load every provider from a flat ``component/key`` tensor map plus per-component meta."""
+    for name, p in providers:
+        if name not in meta:
+            raise KeyError(f"snapshot has no component {name!r} (tracked: {[n for n, _ in providers]})")
+        pre = f"{name}/"
+        p.load({k[len(pre):]: t for k, t in tensors.items() if k.startswith(pre)}, meta[name])
+
+
+def tensors_from_bytes(header: dict, data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """Tensor views over a received snapshot body (copy before keeping them)."""
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    out = {}
+    for i in header["tensors"]:
+        raw = buf[i["offset"] : i["offset"] + i["nbytes"]]
+        out[i["name"]] = raw.view(DTYPES[i["dtype"]]).view(tuple(i["shape"]))
+    return out

@@ -1,0 +1,221 @@
+"""State providers: turn training components into named tensors plus JSON, and back.
+
+A provider has three methods (the protocol a custom component implements):
+
+    tensors() -> dict[str, Tensor]      live tensors to snapshot (never copied here)
+    meta() -> JSON-able                  small metadata, captured at the same moment
+    load(tensors, meta) -> None          restore; ``tensors`` are read-only views into
+                                         snapshot memory: copy, never keep them
+
+``async_ok`` says whether the provider's tensors change only inside ``optimizer.step()``
+(parameters, optimizer state): those are copied in the background while the next
+forward/backward runs. Everything else (RNG, data position, buffers, JSON values) is
+captured synchronously at the end of the step: it is small.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+
+class StateProvider(Protocol):
+    async_ok: bool
+
+    def tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def meta(self) -> Any: ...
+
+    def load(self, tensors: Mapping[str, torch.Tensor], meta: Any) -> None: ...
+
+
+# -- generic nested state (state_dict() style) ---------------------------------------------
+def split_state(obj: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
+    """Nested dict/list/tuple with tensors -> (flat tensors, JSON skeleton)."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(x: Any, path: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors[path] = x.detach()
+            return {"__tensor__": path}
+        if isinstance(x, Mapping):
+            keys = list(x.keys())
+            if all(isinstance(k, str) for k in keys):
+                return {"__dict__": {k: walk(v, f"{path}.{k}") for k, v in x.items()}}
+            return {"__items__": [[_key(k), walk(v, f"{path}.{_key(k)}")] for k, v in x.items()]}
+        if isinstance(x, tuple):
+            return {"__tuple__": [walk(v, f"{path}.{i}") for i, v in enumerate(x)]}
+        if isinstance(x, list):
+            return [walk(v, f"{path}.{i}") for i, v in enumerate(x)]
+        if isinstance(x, np.ndarray):
+            t = torch.from_numpy(np.ascontiguousarray(x))
+            tensors[path] = t
+            return {"__ndarray__": path}
+        if isinstance(x, np.generic):
+            return x.item()
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        raise TypeError(
+            f"state at {path or '<root>'} has a {type(x).__name__}, which hotspare cannot "
+            "snapshot: use tensors, numbers, strings, lists or dicts (or write a provider)"
+        )
+
+    return tensors, walk(obj, prefix)
+
+
+def _key(k: Any) -> Any:
+    if isinstance(k, (int, str, float, bool)) or k is None:
+        return k
+    raise TypeError(f"state dict key {k!r} ({type(k).__name__}) cannot be snapshotted")
+
+
+def join_state(tensors: Mapping[str, torch.Tensor], skel: Any, clone: bool = True) -> Any:
+    def walk(x: Any) -> Any:
+        if isinstance(x, dict):
+            if "__tensor__" in x:
+                t = tensors[x["__tensor__"]]
+                return t.clone() if clone else t
+            if "__ndarray__" in x:
+                return tensors[x["__ndarray__"]].numpy().copy()
+            if "__dict__" in x:
+                return {k: walk(v) for k, v in x["__dict__"].items()}
+            if "__items__" in x:
+                return {k: walk(v) for k, v in x["__items__"]}
+            if "__tuple__" in x:
+                return tuple(walk(v) for v in x["__tuple__"])
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return x
+
+    return walk(skel)
+
+
+# -- providers ------------------------------------------------------------------------------
+class ModuleState:
+    """Parameters (async) and buffers (sync) of an ``nn.Module``, restored in place so the
+    optimizer's references to the parameters stay valid."""
+
+    def __init__(self, module: torch.nn.Module, params: bool) -> None:
+        self.module = module
+        self.params = params
+        self.async_ok = params
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        if self.params:
+            return {k: p.detach() for k, p in self.module.named_parameters()}
+        return {k: b.detach() for k, b in self.module.named_buffers()}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self._live()
+
+    def meta(self) -> Any:
+        return None
+
+    def load(self, tensors: Mapping[str, torch.Tensor], meta: Any) -> None:
+        live = self._live()
+        missing = set(live) - set(tensors)
+        if missing:
+            raise KeyError(f"snapshot lacks {sorted(missing)[:5]} of the model")
+        with torch.no_grad():
+            for k, t in live.items():
+                t.copy_(tensors[k])
+
+
+class StatefulState:
+    """Anything with ``state_dict()``/``load_state_dict()``: optimizers, schedulers, data
+    loaders (the torchdata ``StatefulDataLoader`` convention)."""
+
+    def __init__(self, obj: Any, async_ok: bool = False) -> None:
+        self.obj = obj
+        self.async_ok = async_ok
+        self._skel: Any = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        tensors, self._skel = split_state(self.obj.state_dict())
+        return tensors
+
+    def meta(self) -> Any:
+        if self._skel is None:
+            self.tensors()
+        return self._skel
+
+    def load(self, tensors: Mapping[str, torch.Tensor], meta: Any) -> None:
+        # clone: an optimizer may keep the tensors it is given, and these are views into
+        # snapshot memory that the next snapshot overwrites
+        self.obj.load_state_dict(join_state(tensors, meta, clone=True))
+
+
+class RNGState:
+    """torch (CPU and CUDA), numpy and Python ``random`` generator states."""
+
+    async_ok = False
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for i, s in enumerate(torch.cuda.get_rng_state_all()):
+                out[f"cuda{i}"] = s
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        out["numpy"] = torch.from_numpy(keys.astype(np.uint32).view(np.int32).copy())
+        self._np = [name, int(pos), int(has_gauss), float(cached)]
+        return out
+
+    def meta(self) -> Any:
+        version, state, gauss = random.getstate()
+        return {"numpy": self._np, "python": [version, list(state), gauss]}
+
+    def load(self, tensors: Mapping[str, torch.Tensor], meta: Any) -> None:
+        torch.set_rng_state(tensors["torch"].clone())
+        cuda = [tensors[k].clone() for k in sorted(k for k in tensors if k.startswith("cuda"))]
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda)
+        name, pos, has_gauss, cached = meta["numpy"]
+        keys = tensors["numpy"].numpy().view(np.uint32).copy()
+        np.random.set_state((name, keys, pos, has_gauss, cached))
+        version, state, gauss = meta["python"]
+        random.setstate((version, tuple(state), gauss))
+
+
+class ValueState:
+    """JSON-able values in a dict the user keeps mutating (``extra=...``): restored in place."""
+
+    async_ok = False
+
+    def __init__(self, values: dict) -> None:
+        if not isinstance(values, dict):
+            raise TypeError("extra= takes a dict of JSON-able values (restored in place)")
+        self.values = values
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def meta(self) -> Any:
+        return split_state(self.values)[1]
+
+    def load(self, tensors: Mapping[str, torch.Tensor], meta: Any) -> None:
+        restored = join_state({}, meta)
+        self.values.clear()
+        self.values.update(restored)
+
+
+def provider_for(name: str, obj: Any) -> list[tuple[str, Any]]:
+    """The provider(s) hotspare uses for a tracked object, keyed by component name."""
+    if hasattr(obj, "tensors") and hasattr(obj, "load") and hasattr(obj, "meta"):
+        return [(name, obj)]  # a custom provider
+    if isinstance(obj, torch.nn.Module):
+        return [(f"{name}.params", ModuleState(obj, True)), (f"{name}.buffers", ModuleState(obj, False))]
+    if isinstance(obj, torch.optim.Optimizer):
+        return [(name, StatefulState(obj, async_ok=True))]
+    if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+        return [(name, StatefulState(obj))]
+    if isinstance(obj, dict):
+        return [(name, ValueState(obj))]
+    raise TypeError(
+        f"track({name}=...): a {type(obj).__name__} has no state_dict()/load_state_dict(); "
+        "pass an nn.Module, an optimizer, an object with state_dict/load_state_dict, a dict "
+        "of JSON values, or a custom provider (tensors/meta/load)"
+    )
