@@ -254,6 +254,7 @@ class Agent:
             free.sort(key=lambda w: w.hb.read()[0] != WARM)
             w = free[0]
             w.rank, w.epoch, w.assigned_at = rank, snap.epoch, time.time()
+            self._replicator.forget(rank)
             warm = STATE_NAMES.get(w.hb.read()[0], "?")
             try:
                 assert w.proc.stdin is not None

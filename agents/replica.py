@@ -29,7 +29,7 @@ from recovery.wire import Channel, WireError, checksums, validate_snapshot
 log = logging.getLogger("hotspare.replica")
 
 KEEP = 3  # replicas kept per rank
-_SLOT = re.compile(r"^rank(\d+)\.slot(\d+)$")
+_SLOT = re.compile(r"^rank(\d+)\.(slot|point)(\d+)$")
 _REPLICA = re.compile(r"^replica-rank(\d+)-step(-?\d+)\.bin$")
 
 
@@ -40,14 +40,15 @@ class ReplicaStore:
         self.dir = directory
 
     def steps(self, rank: int) -> dict[int, str]:
-        """step -> where (``slot``/``replica``) for every complete snapshot of ``rank``."""
+        """step -> where (``slot``, ``point`` or ``replica``) for every complete snapshot
+        of ``rank`` on this node."""
         out: dict[int, str] = {}
         for p in self.dir.iterdir():
             m = _SLOT.match(p.name)
             if m and int(m.group(1)) == rank:
                 st = slot_steps(p)
                 if st and st[0] == COMPLETE:
-                    out[st[1]] = "slot"
+                    out[st[1]] = m.group(2)
             m = _REPLICA.match(p.name)
             if m and int(m.group(1)) == rank:
                 out.setdefault(int(m.group(2)), "replica")
@@ -55,7 +56,9 @@ class ReplicaStore:
 
     def load(self, rank: int, step: int) -> tuple[dict, bytes] | None:
         """Header (with checksums) and body of rank's snapshot at step, or None."""
-        for p in sorted(self.dir.glob(f"rank{rank}.slot*")):
+        for p in sorted(self.dir.glob(f"rank{rank}.*")):
+            if not _SLOT.match(p.name):
+                continue
             got = read_slot(p)
             if got and got[0]["step"] == step:
                 header, data, _ = got
@@ -68,6 +71,12 @@ class ReplicaStore:
             return None
         hlen = int.from_bytes(raw[:8], "little")
         return json.loads(raw[8 : 8 + hlen]), raw[8 + hlen :]
+
+    def confirm(self, rank: int, step: int) -> None:
+        """Tell rank's worker that its point ``step`` is safely replicated."""
+        tmp = self.dir / f".tmp-replicated-{rank}"
+        tmp.write_text(str(step))
+        os.replace(tmp, self.dir / f"rank{rank}.replicated")
 
     def save(self, header: dict, body: bytes) -> None:
         rank, step = int(header["rank"]), int(header["step"])
@@ -174,6 +183,7 @@ class Replicator:
         self.local_ranks = local_ranks
         self.interval = interval
         self.sent: dict[tuple[int, str], int] = {}  # (rank, buddy) -> newest step sent
+        self.confirmed: dict[int, int] = {}  # rank -> newest point confirmed to its worker
         self._channels: dict[str, Channel] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="replicator", daemon=True)
@@ -189,6 +199,12 @@ class Replicator:
         for ch in self._channels.values():
             ch.close()
 
+    def forget(self, rank: int) -> None:
+        """A new worker took ``rank`` here: start its replication bookkeeping afresh."""
+        self.confirmed.pop(rank, None)
+        for key in [k for k in self.sent if k[0] == rank]:
+            del self.sent[key]
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
@@ -198,23 +214,27 @@ class Replicator:
 
     def push_once(self) -> None:
         buddies = self.buddies()
-        if not buddies:
-            return
         for rank in self.local_ranks():
-            local = [s for s, where in self.store.steps(rank).items() if where == "slot"]
-            if not local:
+            points = [s for s, where in self.store.steps(rank).items() if where == "point"]
+            if not points:
                 continue
-            newest = max(local)
+            newest = max(points)
+            if not buddies:  # nobody to replicate to (one node): do not hold training back
+                self.store.confirm(rank, newest)
+                continue
             todo = [b for b in buddies if self.sent.get((rank, b[0]), -3) < newest]
-            if not todo:
-                continue
-            got = self.store.load(rank, newest)
-            if got is None:
-                continue  # overwritten while reading; next round
-            header, body = got
-            for name, host, port in todo:
-                if self._send(name, host, port, rank, header, body):
-                    self.sent[(rank, name)] = newest
+            if todo:
+                got = self.store.load(rank, newest)
+                if got is None:
+                    continue  # overwritten while reading; next round
+                header, body = got
+                for name, host, port in todo:
+                    if self._send(name, host, port, rank, header, body):
+                        self.sent[(rank, name)] = newest
+            if all(self.sent.get((rank, b[0]), -3) >= newest for b in buddies):
+                if self.confirmed.get(rank) != newest:
+                    self.store.confirm(rank, newest)
+                    self.confirmed[rank] = newest
 
     def _send(self, name: str, host: str, port: int, rank: int, header: dict, body: bytes) -> bool:
         try:
@@ -266,3 +286,19 @@ def list_steps(host: str, port: int, secret: bytes, rank: int, timeout: float = 
     if not isinstance(steps, list) or not all(isinstance(s, int) for s in steps):
         raise WireError(f"bad list reply: {reply!r}")
     return steps
+
+
+def fetch_first(
+    holders: list[tuple[str, str, int]], secret: bytes, rank: int, step: int
+) -> tuple[dict, bytes, str]:
+    """The first holder's copy that passes every check; each rejection is logged. Raises
+    RuntimeError naming every holder and why, if none is usable."""
+    errors = []
+    for name, host, port in holders:
+        try:
+            header, body = fetch(host, port, secret, rank, step)
+            return header, body, name
+        except (OSError, WireError) as e:
+            log.warning("replica of rank %d step %d from %s rejected: %s", rank, step, name, e)
+            errors.append(f"{name}: {e}")
+    raise RuntimeError(f"no usable replica of rank {rank} at step {step}: " + "; ".join(errors))

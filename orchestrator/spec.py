@@ -204,6 +204,7 @@ class JobSpec:
     on_no_spare: str = "wait"
     min_ranks: int = 1
     replicas: int = 1
+    replicate_every: int = 10
     output_dir: str | None = None
     backend: str = "local"
     env: dict[str, str] = field(default_factory=dict)
@@ -482,6 +483,9 @@ def _parse_job(data: Mapping[str, Any], base_dir: str) -> JobSpec:
             field="min_ranks",
         )
     replicas = _parse_int("replicas", opt("replicas"), minimum=0, default=default_of("replicas"))
+    replicate_every = _parse_int(
+        "replicate_every", opt("replicate_every"), minimum=1, default=default_of("replicate_every")
+    )
     output_dir = _parse_output_dir(opt("output_dir"), base_dir)
     backend = _parse_choice("backend", opt("backend"), BACKENDS, default=default_of("backend"))
     env = _parse_env(opt("env"))
@@ -501,6 +505,7 @@ def _parse_job(data: Mapping[str, Any], base_dir: str) -> JobSpec:
         on_no_spare=on_no_spare,
         min_ranks=min_ranks,
         replicas=replicas,
+        replicate_every=replicate_every,
         output_dir=output_dir,
         backend=backend,
         env=env,

@@ -86,7 +86,13 @@ class Session:
         self._grad_buf: torch.Tensor | None = None
         self._resumed_pending = False
         snap_dir = Path(os.environ.get("HOTSPARE_SNAP_DIR") or tempfile.mkdtemp(prefix="hotspare-snap-"))
-        self.snapshots = SnapshotEngine(snap_dir, rank, slots=int(spec.get("snapshot_slots", 3)))
+        self.snapshots = SnapshotEngine(
+            snap_dir,
+            rank,
+            slots=int(spec.get("snapshot_slots", 2)),
+            replicate_every=int(spec.get("replicate_every", 10)) if int(spec.get("replicas", 1)) else 0,
+            beat=self._beat,
+        )
         self.snapshots.providers = [("rng", RNGState())]
         self._dirty = False  # an optimizer stepped since the last snapshot
         self._secret = b""
@@ -345,17 +351,9 @@ class Session:
         return step, {"source": source, "bytes": nbytes, "seconds": round(time.time() - t0, 4)}
 
     def _fetch(self, step: int, holders: list[tuple[str, str, int]]) -> tuple[dict, bytes, str]:
-        from agents.replica import fetch
+        from agents.replica import fetch_first
 
-        errors = []
-        for name, host, port in holders:
-            try:
-                header, body = fetch(host, port, self._secret, self.rank, step)
-                return header, body, name
-            except Exception as e:  # noqa: BLE001 - try the next holder
-                log.warning("replica of rank %d step %d from %s rejected: %s", self.rank, step, name, e)
-                errors.append(f"{name}: {e}")
-        raise RuntimeError(f"rank {self.rank}: no usable replica of step {step}: " + "; ".join(errors))
+        return fetch_first(holders, self._secret, self.rank, step)
 
     def _write_final(self, total: int) -> None:
         self.snapshots.wait()

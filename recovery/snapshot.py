@@ -21,6 +21,7 @@ The newest complete slot is never the one a copy writes into.
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import struct
@@ -34,6 +35,12 @@ from typing import Any
 import torch
 
 from .slotfile import _CTRL, COMPLETE, CTRL_SIZE, EMPTY, MAGIC, WRITING
+
+log = logging.getLogger(__name__)
+
+# Fault-injection knob for tests: hold every background copy open this many seconds, so
+# that a failure reliably lands while a snapshot is in flight. Never set in production.
+_TEST_DELAY = float(os.environ.get("HOTSPARE_TEST_SNAPSHOT_DELAY", "0") or 0)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -109,24 +116,77 @@ class Slot:
 
 
 class SnapshotEngine:
-    """Per-rank ring of ``slots`` snapshot files under ``directory``."""
+    """Per-rank snapshot files under ``directory``: a ring of recent steps, plus the last
+    two *replication points*.
 
-    def __init__(self, directory: Path, rank: int, slots: int = 3) -> None:
+    Every step is snapshotted into the ring (``rank<r>.slot<k>``). Every
+    ``replicate_every``-th step (and the initial state, step -1) goes to a point slot
+    (``rank<r>.point<k>``) instead; the agent ships only points to the buddies. All ranks
+    use the same point steps, so a lost rank's replicated step is one every survivor still
+    holds. Before writing a new point the engine waits until the agent has confirmed the
+    previous one replicated (``rank<r>.replicated``), so the two point slots always hold a
+    replicated step. The wait is normally zero: a point is shipped in far less time than
+    ``replicate_every`` steps take.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        rank: int,
+        slots: int = 2,
+        replicate_every: int = 0,
+        beat: Any = lambda: None,
+        replication_timeout: float = 120.0,
+    ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank = rank
-        self.nslots = max(2, slots)
-        self._slots: list[Slot | None] = [None] * self.nslots
-        self._steps = [-2] * self.nslots  # complete step per slot (-2: none)
+        self.nring = max(2, slots)
+        self.every = replicate_every
+        n = self.nring + (2 if self.every else 0)
+        self._slots: list[Slot | None] = [None] * n
+        self._steps = [-2] * n  # complete step per slot (-2: none)
         self._seq = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.providers: list[tuple[str, Any]] = []
         self.last_capture_s = 0.0
         self.last_wait_s = 0.0
+        self.replication_wait_s = 0.0
+        self._last_point: int | None = None
+        self._beat = beat
+        self.replication_timeout = replication_timeout
+        # a marker left by an earlier worker of this rank on this node says nothing about us
+        (self.dir / f"rank{rank}.replicated").unlink(missing_ok=True)
 
-    def path(self, k: int, rank: int | None = None) -> Path:
-        return self.dir / f"rank{self.rank if rank is None else rank}.slot{k}"
+    def path(self, k: int) -> Path:
+        if k < self.nring:
+            return self.dir / f"rank{self.rank}.slot{k}"
+        return self.dir / f"rank{self.rank}.point{k - self.nring}"
+
+    def is_point(self, step: int) -> bool:
+        return bool(self.every) and (step == -1 or step % self.every == 0)
+
+    def replicated(self) -> int:
+        """Newest point the agent confirmed replicated to every buddy (-2: none)."""
+        try:
+            return int((self.dir / f"rank{self.rank}.replicated").read_text() or -2)
+        except (FileNotFoundError, ValueError):
+            return -2
+
+    def _await_replication(self) -> None:
+        prev = self._last_point
+        if prev is None or self.replicated() >= prev:
+            return
+        t0 = time.monotonic()
+        while self.replicated() < prev:
+            if time.monotonic() - t0 > self.replication_timeout:
+                log.warning("point %d of rank %d not replicated after %.0fs; going on unprotected",
+                            prev, self.rank, self.replication_timeout)
+                break
+            self._beat()
+            time.sleep(0.005)
+        self.replication_wait_s += time.monotonic() - t0
 
     # -- capture --------------------------------------------------------------------------
     def capture(self, step: int) -> None:
@@ -147,7 +207,11 @@ class SnapshotEngine:
         data_len = (infos[-1].offset + infos[-1].nbytes) if infos else 0
         header["data_len"] = data_len
         hb = json.dumps(header, separators=(",", ":")).encode()
-        k = self._pick_slot()
+        point = self.is_point(step)
+        if point:
+            self._await_replication()
+            self._last_point = step
+        k = self._pick_slot(point)
         slot = self._slots[k]
         if slot is None or slot.header_cap < len(hb) or slot.size - slot.data_off < data_len:
             if slot is not None:
@@ -165,6 +229,8 @@ class SnapshotEngine:
 
         def finish() -> None:
             try:
+                if _TEST_DELAY:
+                    time.sleep(_TEST_DELAY)
                 for dst, src in jobs:
                     dst.copy_(src)
                 slot.set_ctrl(COMPLETE, step, seq, len(hb))
@@ -191,9 +257,10 @@ class SnapshotEngine:
             e, self._error = self._error, None
             raise RuntimeError(f"snapshot copy failed: {e}") from e
 
-    def _pick_slot(self) -> int:
-        # the oldest (or empty) slot; never the newest complete one
-        return min(range(self.nslots), key=lambda k: self._steps[k])
+    def _pick_slot(self, point: bool) -> int:
+        # the oldest (or empty) slot of its kind; never the newest complete one
+        ks = range(self.nring, len(self._slots)) if point else range(self.nring)
+        return min(ks, key=lambda k: self._steps[k])
 
     # -- restore --------------------------------------------------------------------------
     def available(self) -> list[int]:
@@ -206,6 +273,8 @@ class SnapshotEngine:
             if s > step and self._slots[k] is not None:
                 self._slots[k].set_ctrl(EMPTY, -2, 0, 0)
                 self._steps[k] = -2
+        points = [s for k, s in enumerate(self._steps) if k >= self.nring and s >= -1]
+        self._last_point = max(points) if points else None
 
     def load_local(self, step: int, skip: set[str] = frozenset()) -> None:
         self.wait()
