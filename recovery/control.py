@@ -105,7 +105,8 @@ class ControlLink:
                 self.check_epoch()  # one cheap get; the watch makes it prompt
                 last_poll = now
             s = self._session
-            if now - last_progress >= self.progress_interval and s.committed != published:
+            joined = s.epoch > 0
+            if joined and now - last_progress >= self.progress_interval and s.committed != published:
                 try:
                     self.js.put_progress(
                         Progress(

@@ -1,0 +1,205 @@
+"""Helpers shared by the benchmarks: machine info, statistics, tables, JSON output, and a
+private etcd + controller to run real hotspare jobs against (like tests/conftest.Cluster,
+which the benchmarks deliberately do not import)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+OUT = REPO / "benchmarks" / "out"
+
+if str(REPO) not in sys.path:  # `python benchmarks/x.py` from anywhere: import the project
+    sys.path.insert(0, str(REPO))
+
+
+# -- machine and statistics -------------------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+    }
+    try:
+        info["cpus_usable"] = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        pass
+    try:
+        info["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return info
+
+
+def summarize(values: Iterable[float | None]) -> dict[str, Any]:
+    """median/min/max/n of the values that are not None (None: a phase the timeline lacked)."""
+    vs = [float(v) for v in values if v is not None]
+    if not vs:
+        return {"n": 0, "median": None, "min": None, "max": None}
+    return {"n": len(vs), "median": statistics.median(vs), "min": min(vs), "max": max(vs)}
+
+
+def fmt(v: float | None, digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    rows = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = "  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths, strict=True)))
+    out = [line, "-" * len(line)]
+    for r in rows:
+        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+    return "\n".join(out)
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    return p
+
+
+def shm_base() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+# -- a private cluster ------------------------------------------------------------------------
+class BenchCluster:
+    """A private etcd on a free loopback port plus one controller; runs jobs with
+    ``python -m orchestrator.cli run SPEC --json`` and cleans up after each one (leftover
+    agents killed, their /dev/shm run directories removed)."""
+
+    def __init__(self, workdir: Path | None = None, controller_ttl: float = 2.0, keep: bool = False) -> None:
+        from orchestrator.etcd_server import start_etcd
+
+        self.keep = keep
+        self.tmp = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hotspare-bench-"))
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.etcd = start_etcd(self.tmp / "etcd", log_path=self.tmp / "etcd.log")
+        self.endpoint = self.etcd.endpoint
+        self.env = dict(os.environ, HOTSPARE_ETCD=self.endpoint, HOTSPARE_STATE_DIR=str(self.tmp / "state"),
+                        PYTHONUNBUFFERED="1")
+        pp = self.env.get("PYTHONPATH")
+        self.env["PYTHONPATH"] = str(REPO) + (os.pathsep + pp if pp else "")
+        self.procs: list[subprocess.Popen] = []
+        self.jobs: list[str] = []
+        self.controller = self._spawn("controller", "--ttl", str(controller_ttl), log="controller.log")
+
+    def _spawn(self, *args: str, log: str) -> subprocess.Popen:
+        with open(self.tmp / log, "ab") as f:
+            p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], env=self.env, stdout=f,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                 cwd=self.tmp)
+        self.procs.append(p)
+        return p
+
+    def output_dir(self, name: str) -> Path:
+        return self.tmp / "out" / name
+
+    def run_job(self, spec: dict[str, Any], timeout: float = 600) -> tuple[dict[str, Any] | None, str]:
+        """Submit ``spec`` (a dict, ``name`` required), wait for it; (JSON summary or None, log tail)."""
+        import yaml
+
+        name = spec["name"]
+        if self.controller.poll() is not None:
+            raise RuntimeError(f"the controller exited with {self.controller.returncode}; see {self.tmp}/controller.log")
+        spec = dict(spec)
+        spec.setdefault("output_dir", str(self.output_dir(name)))
+        path = self.tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        self.jobs.append(name)
+        try:
+            r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", str(path), "--json",
+                                "--timeout", str(int(timeout))],
+                               env=self.env, capture_output=True, text=True, timeout=timeout + 60, cwd=self.tmp)
+            out, err = r.stdout, r.stderr
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        finally:
+            self._reap_job(name)
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        summary = json.loads(lines[-1]) if lines else None
+        return summary, (out + "\n" + err)[-3000:]
+
+    def _reap_job(self, name: str, grace: float = 8.0) -> None:
+        """Give the job's agents ``grace`` seconds to exit on their own, then kill them."""
+        agents_file = self.output_dir(name) / "agents.json"
+        pids: list[int] = []
+        try:
+            pids = [int(p) for p in json.loads(agents_file.read_text()).values()]
+        except (OSError, ValueError):
+            pass
+        deadline = time.monotonic() + grace
+        while pids and time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+        for pid in pids:
+            if _alive(pid):
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for d in shm_base().glob(f"hotspare-{name}-*"):
+            shutil.rmtree(d, ignore_errors=True)
+
+    def close(self) -> None:
+        from orchestrator.etcd_server import stop_pid
+
+        for name in self.jobs:
+            self._reap_job(name, grace=0)
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        stop_pid(self.etcd.pid)
+        if self.etcd.proc is not None:
+            try:
+                self.etcd.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        if not self.keep:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> BenchCluster:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def _alive(pid: int) -> bool:
+    from orchestrator.etcd_server import pid_alive
+
+    return pid_alive(pid)
