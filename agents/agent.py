@@ -114,7 +114,8 @@ class Agent:
         self.incarnation = ""
         self._lease = None
         self._published_warm = -1
-        self._chaos_slow: dict[int, float] = {}
+        self._partitioned_until = 0.0
+        self._frozen: list[WorkerProc] = []
 
     # -- life cycle -----------------------------------------------------------------------
     def run(self) -> int:
@@ -204,6 +205,10 @@ class Agent:
         while not self._stop.is_set():
             woke = self._wake.wait(POLL)
             self._wake.clear()
+            if self._partitioned_until:
+                if time.monotonic() < self._partitioned_until:
+                    continue  # cut off: no etcd, no reports, no watchdog
+                self._heal()
             try:
                 self._supervise()
                 if self._lease is not None and self._lease.lost.is_set():
@@ -396,17 +401,65 @@ class Agent:
     def _chaos(self, cmd: dict) -> None:
         action = cmd.get("action")
         rank = cmd.get("rank")
+        seconds = cmd.get("seconds")
         target = next((w for w in self.workers.values() if w.rank == rank), None)
-        self.js.event("chaos", self.node, f"{action} on {self.node}" + (f" rank {rank}" if rank is not None else ""), action=action, rank=rank, node=self.node)
+        if action in ("kill-rank", "hang-rank", "slow-rank") and target is None:
+            log.warning("chaos %s: rank %s is not on %s; ignored", action, rank, self.node)
+            return
+        if not cmd.get("evented"):  # scheduled entries were already written by the worker
+            self.js.event(
+                "chaos",
+                self.node,
+                f"{action} on {self.node}" + (f" rank {rank}" if rank is not None else ""),
+                action=action,
+                rank=rank,
+                node=self.node,
+                seconds=seconds,
+            )
         log.warning("chaos: %s %s", action, cmd)
         if action == "kill-node":
             # the node dies at once: no report, no goodbye; workers follow via PDEATHSIG
             for w in self.workers.values():
                 w.proc.kill()
             os.kill(os.getpid(), signal.SIGKILL)
-        elif action == "kill-rank" and target is not None:
+        elif action == "kill-rank":
             target.proc.send_signal(signal.SIGKILL)
-        elif action == "hang-rank" and target is not None:
+        elif action == "hang-rank":
             target.proc.send_signal(signal.SIGSTOP)
+        elif action == "slow-rank":
+            target.hb.set_delay(float(seconds if seconds is not None else 0.5))
+        elif action == "partition-node":
+            self._partition(float(seconds if seconds is not None else 2 * self.spec["lease_ttl"]))
         else:
-            log.warning("chaos action %s not applicable on %s (rank %s not here?)", action, self.node, rank)
+            log.warning("chaos action %s is not executed by agents", action)
+
+    def _partition(self, seconds: float) -> None:
+        """Cut this node off for ``seconds``: no keepalives, no replica traffic, workers
+        frozen. If that outlasts the lease the controller replaces our ranks; when the
+        partition heals the workers find themselves fenced (their seats belong to other
+        nodes now) and we re-register as a new incarnation."""
+        assert self._lease is not None
+        self._lease.pause()
+        self._server.paused = True
+        self._replicator.paused = True
+        frozen = [w for w in self.workers.values() if w.proc.poll() is None]
+        for w in frozen:
+            w.proc.send_signal(signal.SIGSTOP)
+        self._partitioned_until = time.monotonic() + seconds
+        self._frozen = frozen
+
+    def _heal(self) -> None:
+        self._partitioned_until = 0.0
+        for w in self._frozen:
+            try:
+                w.proc.send_signal(signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        for w in self._frozen:
+            w.assigned_at = time.time()  # the watchdog counts from the heal, not the freeze
+        self._frozen = []
+        self._server.paused = False
+        self._replicator.paused = False
+        assert self._lease is not None
+        self._lease.resume()
+        log.warning("partition healed")

@@ -97,6 +97,8 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def handle(self) -> None:
         srv = self.server
+        if srv.owner.paused:  # chaos: partitioned node
+            return
         try:
             ch = Channel.server(self.request, srv.secret)
         except (WireError, OSError) as e:
@@ -122,6 +124,7 @@ class _Server(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
     secret: bytes
     answer: Callable[[dict, bytes], tuple[dict, bytes]]
+    owner: ReplicaServer
 
 
 class ReplicaServer:
@@ -130,6 +133,8 @@ class ReplicaServer:
         self._srv = _Server((host, 0), _Handler)
         self._srv.secret = secret
         self._srv.answer = self.answer
+        self._srv.owner = self
+        self.paused = False
         self.port = self._srv.server_address[1]
         self._thread = threading.Thread(target=self._srv.serve_forever, name="replica-server", daemon=True)
 
@@ -186,6 +191,7 @@ class Replicator:
         self.confirmed: dict[int, int] = {}  # rank -> newest point confirmed to its worker
         self._channels: dict[str, Channel] = {}
         self._stop = threading.Event()
+        self.paused = False
         self._thread = threading.Thread(target=self._run, name="replicator", daemon=True)
         self.bytes_sent = 0
 
@@ -213,6 +219,8 @@ class Replicator:
                 log.exception("replication round failed")
 
     def push_once(self) -> None:
+        if self.paused:
+            return
         buddies = self.buddies()
         for rank in self.local_ranks():
             points = [s for s, where in self.store.steps(rank).items() if where == "point"]

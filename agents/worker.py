@@ -120,6 +120,7 @@ def main() -> int:
         incarnation=env["HOTSPARE_INCARNATION"],
         beat=lambda step: hb.beat(step),
         agent_pid=int(env.get("HOTSPARE_AGENT_PID", "0")),
+        delay=hb.delay,
     )
     try:
         fn(session, **(spec.get("args") or {}))

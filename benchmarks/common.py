@@ -70,14 +70,17 @@ def fmt(v: float | None, digits: int = 3) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
-def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]], left: int = 1) -> str:
+    """Plain-text table; the first ``left`` columns left-aligned, the rest right-aligned."""
     rows = [[str(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    line = "  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths, strict=True)))
-    out = [line, "-" * len(line)]
-    for r in rows:
-        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
-    return "\n".join(out)
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+
+    head = line(header)
+    return "\n".join([head, "-" * len(head), *(line(r) for r in rows)])
 
 
 def write_json(path: str | Path, data: dict[str, Any]) -> Path:
@@ -149,6 +152,15 @@ class BenchCluster:
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
         summary = json.loads(lines[-1]) if lines else None
         return summary, (out + "\n" + err)[-3000:]
+
+    def events(self, name: str) -> dict[str, Any] | None:
+        """``hotspare events NAME --json`` (every event and the recovery breakdowns), or None."""
+        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "events", name, "--json"], env=self.env,
+                           capture_output=True, text=True, timeout=60, cwd=self.tmp)
+        try:
+            return json.loads(r.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            return None
 
     def _reap_job(self, name: str, grace: float = 8.0) -> None:
         """Give the job's agents ``grace`` seconds to exit on their own, then kill them."""

@@ -103,6 +103,7 @@ def _submit(args: argparse.Namespace) -> tuple[object, dict, list[str]]:
     from .store import Conflict, JobStore
 
     spec, d = _load(args)
+    os.environ["HOTSPARE_STATE_DIR"] = str(_state_dir(args))  # agents and workers inherit it
     eps = _endpoints(args, spec.etcd.endpoints, start=True)
     js = JobStore(_store(eps), spec.name)
     try:
@@ -134,7 +135,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json else sys.stdout
     print(f"running {d['name']}: {d['ranks']} ranks + {d['spares']} spare node(s), {d['steps']} steps; "
           f"logs in {info.get('log_dir')}", file=out)
-    state = _watch(js, d, out, timeout=args.timeout)
+    embedded_dir = None
+    if not (args.etcd or os.environ.get("HOTSPARE_ETCD") or d["etcd"].get("endpoints")):
+        embedded_dir = _state_dir(args)
+    state = _watch(js, d, out, timeout=args.timeout, embedded_dir=embedded_dir)
     events = js.events()
     recs = timeline.recoveries(events)
     snap = js.snapshot()
@@ -154,7 +158,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if state == "succeeded" else 1
 
 
-def _watch(js, d: dict, out, timeout: float | None) -> str:
+def _watch(js, d: dict, out, timeout: float | None, embedded_dir: Path | None = None) -> str:
     from .store import StoreError
 
     seen: set[tuple[float, str]] = set()
@@ -189,6 +193,8 @@ def _watch(js, d: dict, out, timeout: float | None) -> str:
             last_line = line
         except StoreError as e:
             print(f"(etcd: {e}; retrying)", file=out)
+        if embedded_dir is not None:
+            embedded.ensure_controller(embedded_dir, log=lambda m: print(m, file=out))
         if timeout and time.monotonic() - start > timeout:
             js.request_cancel()
             raise CliError(f"job {d['name']} did not finish within --timeout {timeout:.0f}s; cancelled it")
@@ -208,17 +214,26 @@ def cmd_status(args: argparse.Namespace) -> int:
         else:
             print("\n".join(f"{j:<24} {s}" for j, s in jobs) or "no jobs")
         return 0
+    from .decide import straggler_scores
+
     js = _jobstore(args)
     snap = js.snapshot()
     w = snap.world
     now = time.time()
+    scores = straggler_scores(snap, w) if w else {}
+    threshold = float((snap.spec or {}).get("straggler_threshold", 2.0))
     ranks = []
     for r, seat in enumerate(w.seats if w else ()):
         p = snap.progress.get(r)
         alive = seat.node in snap.nodes and snap.nodes[seat.node].incarnation == seat.incarnation
         state = "done" if r in snap.done else ("running" if alive else "lost")
+        score = scores.get(r)
+        if state == "running" and score is not None and score >= threshold:
+            state = "straggler"
         ranks.append({"rank": r, "node": seat.node, "state": state, "step": p.step if p else -1,
                       "since_epoch": seat.since, "step_time": p.step_time if p else None,
+                      "compute_time": p.compute_time if p else None,
+                      "straggler_score": round(score, 2) if score is not None else None,
                       "age_s": round(now - p.time, 1) if p else None})
     used = {s.node for s in (w.seats if w else ())}
     spares = [n.name for n in snap.nodes.values() if n.name not in used]
@@ -230,10 +245,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     print(f"job {js.job}: {snap.state.value}, epoch {snap.epoch}, controller {snap.leader or '-'}"
           + (f"\n  {snap.state_message}" if snap.state_message else ""))
-    print(f"{'rank':>4}  {'node':<10} {'state':<8} {'step':>6} {'since':>5} {'s/step':>8}")
+    print(f"{'rank':>4}  {'node':<10} {'state':<10} {'step':>6} {'since':>5} {'s/step':>8} {'compute':>8} {'score':>6}")
     for r in ranks:
         st_ = f"{r['step_time']:.3f}" if r["step_time"] else "-"
-        print(f"{r['rank']:>4}  {r['node']:<10} {r['state']:<8} {r['step']:>6} {r['since_epoch']:>5} {st_:>8}")
+        ct = f"{r['compute_time']:.3f}" if r["compute_time"] else "-"
+        sc = f"{r['straggler_score']:.2f}" if r["straggler_score"] is not None else "-"
+        print(f"{r['rank']:>4}  {r['node']:<10} {r['state']:<10} {r['step']:>6} {r['since_epoch']:>5} {st_:>8} {ct:>8} {sc:>6}")
+    print("score = compute time per step / median of all ranks; >= "
+          f"{threshold:g} is a straggler (on_straggler: {(snap.spec or {}).get('on_straggler', 'report')})")
     print(f"spares: {', '.join(spares) or 'none'}")
     return 0
 
@@ -280,21 +299,102 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+AGENT_ACTIONS = ("kill-rank", "kill-node", "hang-rank", "slow-rank", "partition-node")
+ALL_ACTIONS = AGENT_ACTIONS + ("kill-controller", "restart-etcd")
+
+
+def inject(args: argparse.Namespace, js, action: str, rank: int | None, node: str | None,
+           seconds: float | None) -> str:
+    """Deliver one failure; returns a sentence saying what was done."""
+    from .controller import CONTROLLER_NODE
+
+    if action == "restart-etcd":
+        sd = _state_dir(args)
+        if embedded.load(sd) is None:
+            raise CliError(f"restart-etcd works on the embedded etcd only; none is up in {sd}")
+        secs = 5.0 if seconds is None else seconds
+        js.event("chaos", "cli", f"restart-etcd: etcd down for {secs:.1f}s", action=action, seconds=secs)
+        embedded.restart_etcd(sd, secs)
+        js.event("etcd-restarted", "cli", f"etcd back after {secs:.1f}s", action=action)
+        return f"etcd was stopped for {secs:.1f}s and is back"
+    if action == "kill-controller":
+        js.send_chaos(CONTROLLER_NODE, {"action": action})
+        return "kill-controller sent to the leader controller"
+    snap = js.snapshot()
+    if node is None:
+        if rank is None:
+            raise CliError(f"{action} needs --rank R or --node NAME")
+        if snap.world is None or not 0 <= rank < snap.world.size:
+            raise CliError(f"rank {rank} is not in job {js.job}'s current world")
+        node = snap.world.seats[rank].node
+    elif rank is None and action in ("kill-rank", "hang-rank", "slow-rank"):
+        raise CliError(f"{action} targets a rank: give --rank R")
+    if node not in snap.nodes:
+        raise CliError(f"node {node!r} is not a live node of {js.job} (live: {', '.join(sorted(snap.nodes))})")
+    js.send_chaos(node, {"action": action, "rank": rank, "seconds": seconds})
+    return f"{action} sent to {node}" + (f" (rank {rank})" if rank is not None else "")
+
+
 def cmd_chaos(args: argparse.Namespace) -> int:
     js = _jobstore(args)
-    snap = js.snapshot()
-    node = args.node
-    if node is None:
-        if args.rank is None:
-            raise CliError("chaos needs --rank R or --node NAME")
-        if snap.world is None or not 0 <= args.rank < snap.world.size:
-            raise CliError(f"rank {args.rank} is not in job {args.job}'s current world")
-        node = snap.world.seats[args.rank].node
-    if node not in snap.nodes:
-        raise CliError(f"node {node!r} is not a live node of {args.job} (live: {', '.join(sorted(snap.nodes))})")
-    js.send_chaos(node, {"action": args.action, "rank": args.rank, "seconds": args.seconds})
-    print(f"chaos {args.action} sent to {node}" + (f" (rank {args.rank})" if args.rank is not None else ""))
+    if args.mtbf is None:
+        if not args.action:
+            raise CliError("give --action ACTION (one failure) or --mtbf SECONDS (random failures)")
+        print(inject(args, js, args.action, args.rank, args.node, args.seconds))
+        return 0
+    return _random_chaos(args, js)
+
+
+def _random_chaos(args: argparse.Namespace, js) -> int:
+    """Punisher mode: failures at exponential intervals, seeded, until the job ends."""
+    import random
+
+    kinds = [k.strip() for k in (args.kinds or "kill-rank,kill-node,hang-rank").split(",") if k.strip()]
+    bad = [k for k in kinds if k not in ALL_ACTIONS]
+    if bad:
+        raise CliError(f"--kinds: unknown action(s) {', '.join(bad)} (known: {', '.join(ALL_ACTIONS)})")
+    rng = random.Random(args.seed)
+    done = 0
+    revive: list[tuple[float, str]] = []
+    spec = js.spec()
+    while args.count is None or done < args.count:
+        wait = rng.expovariate(1.0 / args.mtbf)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            _revive_due(revive, js, spec)
+            if js.state()[0].terminal:
+                print(f"job {js.job} ended; {done} failure(s) injected")
+                return 0
+            time.sleep(0.2)
+        snap = js.snapshot()
+        if snap.world is None:
+            continue
+        kind = rng.choice(kinds)
+        rank = rng.randrange(snap.world.size)
+        node = snap.world.seats[rank].node if kind in ("kill-node", "partition-node") else None
+        seconds = args.seconds if kind in ("slow-rank", "partition-node", "restart-etcd") else None
+        try:
+            what = inject(args, js, kind, rank if node is None else None, node, seconds)
+        except CliError as e:
+            print(f"skipped {kind}: {e}")
+            continue
+        done += 1
+        print(f"[{done}] {what}", flush=True)
+        if kind == "kill-node" and args.revive is not None:
+            revive.append((time.monotonic() + args.revive, node))
+    print(f"{done} failure(s) injected")
     return 0
+
+
+def _revive_due(revive: list, js, spec: dict) -> None:
+    """Local backend: bring killed nodes back as spares (a rebooted machine rejoins)."""
+    from .launchers.local import start_agent
+
+    now = time.monotonic()
+    for item in [r for r in revive if r[0] <= now]:
+        revive.remove(item)
+        start_agent(js.job, item[1], js.store.endpoints, Path(spec["output_dir"]) / "logs", spare=True)
+        print(f"revived {item[1]} as a spare", flush=True)
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -362,15 +462,29 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--tail", type=int, default=0, help="only the last N lines")
     sp = add("cancel", cmd_cancel, "cancel a job: its agents stop the workers and exit")
     sp.add_argument("job")
-    sp = add("chaos", cmd_chaos, "inject a failure into a running job (delivered through etcd)",
-             "Inject a failure. Actions: kill-rank (SIGKILL the rank's worker), kill-node (SIGKILL the "
-             "agent and its workers: detected by lease expiry), hang-rank (SIGSTOP the worker: the "
-             "agent's watchdog kills it after hang_timeout).")
+    sp = add("chaos", cmd_chaos, "inject failures into a running job (delivered through etcd)",
+             """Inject one failure (--action) or random failures (--mtbf). Actions:
+  kill-rank       SIGKILL the rank's worker (its agent reports it within 0.1 s)
+  kill-node       SIGKILL the node's agent and workers (noticed when its lease expires)
+  hang-rank       SIGSTOP the worker (the agent's watchdog kills it after hang_timeout)
+  slow-rank       make the worker sleep --seconds after every step (0 clears it); reported
+                  as a straggler by `hotspare status`
+  partition-node  the agent stops its keepalive and replica traffic and freezes its workers
+                  for --seconds; past the lease TTL it is fenced out and rejoins as a new node
+  kill-controller SIGKILL the leader controller (a standby takes over)
+  restart-etcd    stop the embedded etcd for --seconds, then start it again
+Every injection is an event (`hotspare events JOB`).""")
+    sp.formatter_class = argparse.RawDescriptionHelpFormatter
     sp.add_argument("job")
-    sp.add_argument("--action", required=True, choices=["kill-rank", "kill-node", "hang-rank"])
+    sp.add_argument("--action", choices=ALL_ACTIONS, help="one failure to inject now")
     sp.add_argument("--rank", type=int, help="target rank (for node actions: the node hosting it)")
     sp.add_argument("--node", help="target node")
-    sp.add_argument("--seconds", type=float, help="duration, for actions that take one")
+    sp.add_argument("--seconds", type=float, help="duration (partition-node, restart-etcd) or delay per step (slow-rank)")
+    sp.add_argument("--mtbf", type=float, help="random mode: mean seconds between failures")
+    sp.add_argument("--seed", type=int, default=0, help="random mode: seed (same seed, same schedule)")
+    sp.add_argument("--kinds", help="random mode: comma-separated actions (default kill-rank,kill-node,hang-rank)")
+    sp.add_argument("--count", type=int, help="random mode: stop after this many failures (default: until the job ends)")
+    sp.add_argument("--revive", type=float, help="random mode, local backend: restart a killed node's agent as a spare after this many seconds")
     sp = add("agent", cmd_agent, "run one node agent (what each node of a cluster runs)",
              "Run one node agent in the foreground: it registers NODE under a lease, keeps warm "
              "workers and runs the ranks the controller assigns to it.")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -29,6 +30,8 @@ from .store import (
 )
 
 log = logging.getLogger("hotspare.controller")
+
+CONTROLLER_NODE = "_controller"  # chaos commands addressed to the leader controller
 
 
 class Controller:
@@ -115,6 +118,13 @@ class Controller:
             return None
         if not self.lead(js):
             return None
+        if snap.chaos.get(CONTROLLER_NODE):
+            for cmd in js.take_chaos(CONTROLLER_NODE):
+                if cmd.get("action") == "kill-controller":
+                    js.event("chaos", self.ident, f"kill-controller: leader {self.ident} dies",
+                             action="kill-controller", controller=self.ident)
+                    log.warning("chaos: kill-controller; dying now")
+                    os.kill(os.getpid(), signal.SIGKILL)
         decision = decide(snap)
         if self._said.get(job) != decision.reason:
             self._said[job] = decision.reason

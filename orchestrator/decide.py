@@ -127,6 +127,30 @@ def find_losses(obs: JobSnapshot, world: World) -> tuple[list[Loss], list[tuple[
     return [losses[r] for r in sorted(losses)], stale
 
 
+def straggler_scores(obs: JobSnapshot, world: World) -> dict[int, float]:
+    """Each rank's compute time per step (outside collectives) over the median of all
+    ranks. In synchronous training every rank's *step* time is the slowest rank's, so
+    only the compute share tells who makes the others wait."""
+    times = {
+        r: p.compute_time
+        for r, p in obs.progress.items()
+        if r < world.size and p.epoch >= world.seats[r].since and p.compute_time > 0
+    }
+    if len(times) < max(2, world.size // 2 + 1):
+        return {}
+    ordered = sorted(times.values())
+    median = ordered[len(ordered) // 2]
+    return {r: t / median for r, t in times.items()} if median > 0 else {}
+
+
+def stragglers(obs: JobSnapshot, world: World, threshold: float) -> list[Loss]:
+    return [
+        Loss(r, world.seats[r].node, "straggler", f"straggler: {score:.1f}x the median compute time per step")
+        for r, score in sorted(straggler_scores(obs, world).items())
+        if score >= threshold
+    ]
+
+
 def _finished(obs: JobSnapshot, rank: int, seat: Seat) -> bool:
     d = obs.done.get(rank)
     return d is not None and d.get("epoch", 0) >= seat.since
@@ -144,6 +168,10 @@ def _reconcile(obs: JobSnapshot, spec: dict, world: World) -> Decision:
             clear_reports=tuple((rep.node, rep.rank) for rep in obs.reports),
         )
     losses, stale = find_losses(obs, world)
+    if not losses and spec.get("on_straggler") == "replace":
+        slow = stragglers(obs, world, float(spec.get("straggler_threshold", 2.0)))
+        if slow and _choose_spares(obs, world, slow, {lo.node for lo in slow}, {lo.rank for lo in slow}):
+            losses = slow  # replace them like failures; without a spare they are only reported
     if not losses:
         return Decision(
             "none",

@@ -27,6 +27,7 @@ class Cluster:
     etcd_pid: int
     controller_pid: int
     state_dir: str
+    peer_port: int = 0
 
     @property
     def healthy(self) -> bool:
@@ -61,6 +62,16 @@ def start_controller(endpoint: str, state_dir: Path, ttl: float = 3.0) -> int:
     return proc.pid
 
 
+def ensure_controller(state_dir: Path, log=print) -> None:
+    """Restart the embedded controller if it died (the supervisor a real cluster would
+    have). Leaves a down etcd alone: it may be down on purpose (chaos restart-etcd)."""
+    c = load(state_dir)
+    if c is not None and not pid_alive(c.controller_pid):
+        c.controller_pid = start_controller(c.endpoint, state_dir)
+        _file(state_dir).write_text(json.dumps(asdict(c)))
+        log(f"embedded controller was down; restarted it (pid {c.controller_pid})")
+
+
 def up(state_dir: Path, log=print) -> Cluster:
     state_dir.mkdir(parents=True, exist_ok=True)
     c = load(state_dir)
@@ -75,7 +86,7 @@ def up(state_dir: Path, log=print) -> Cluster:
     srv.start(log_path=state_dir / "etcd.log", detach=True)
     srv.wait_ready()
     ctl = start_controller(srv.endpoint, state_dir)
-    c = Cluster(srv.endpoint, srv.pid, ctl, str(state_dir))
+    c = Cluster(srv.endpoint, srv.pid, ctl, str(state_dir), srv.peer_port)
     _file(state_dir).write_text(json.dumps(asdict(c)))
     log(f"embedded cluster up in {time.monotonic() - t0:.1f}s: etcd {srv.endpoint} (pid {srv.pid}), "
         f"controller pid {ctl}; state in {state_dir}")
@@ -92,3 +103,21 @@ def down(state_dir: Path) -> bool:
     stop_pid(c.etcd_pid)
     f.unlink(missing_ok=True)
     return True
+
+
+def restart_etcd(state_dir: Path, downtime: float) -> Cluster:
+    """Chaos: stop the embedded etcd, keep it down for ``downtime`` seconds, start it again
+    on the same ports and data (what a crashed and restarted etcd host looks like)."""
+    c = load(state_dir)
+    if c is None:
+        raise RuntimeError(f"no embedded etcd is up in {state_dir}")
+    stop_pid(c.etcd_pid)
+    time.sleep(downtime)
+    port = int(c.endpoint.rsplit(":", 1)[1])
+    srv = EtcdServer(state_dir / "etcd", port, c.peer_port or free_port())
+    srv.start(log_path=state_dir / "etcd.log", detach=True)
+    srv.wait_ready()
+    c.etcd_pid = srv.pid
+    c.peer_port = srv.peer_port
+    _file(state_dir).write_text(json.dumps(asdict(c)))
+    return c

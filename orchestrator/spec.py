@@ -205,6 +205,8 @@ class JobSpec:
     min_ranks: int = 1
     replicas: int = 1
     replicate_every: int = 10
+    straggler_threshold: float = 2.0
+    on_straggler: str = "report"
     output_dir: str | None = None
     backend: str = "local"
     env: dict[str, str] = field(default_factory=dict)
@@ -486,6 +488,10 @@ def _parse_job(data: Mapping[str, Any], base_dir: str) -> JobSpec:
     replicate_every = _parse_int(
         "replicate_every", opt("replicate_every"), minimum=1, default=default_of("replicate_every")
     )
+    straggler_threshold = _parse_ratio("straggler_threshold", opt("straggler_threshold"))
+    on_straggler = _parse_choice(
+        "on_straggler", opt("on_straggler"), ("report", "replace"), default=default_of("on_straggler")
+    )
     output_dir = _parse_output_dir(opt("output_dir"), base_dir)
     backend = _parse_choice("backend", opt("backend"), BACKENDS, default=default_of("backend"))
     env = _parse_env(opt("env"))
@@ -506,6 +512,8 @@ def _parse_job(data: Mapping[str, Any], base_dir: str) -> JobSpec:
         min_ranks=min_ranks,
         replicas=replicas,
         replicate_every=replicate_every,
+        straggler_threshold=straggler_threshold,
+        on_straggler=on_straggler,
         output_dir=output_dir,
         backend=backend,
         env=env,
@@ -576,6 +584,16 @@ def _parse_int(field_path: str, value: Any, *, minimum: int, default: Any = _MIS
     if value < minimum:
         raise SpecError(f"must be >= {minimum}, got {value}", field=field_path)
     return value
+
+
+def _parse_ratio(field_path: str, value: Any) -> float:
+    """A slowdown factor (> 1): how many times the median compute time makes a straggler."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise SpecError(f"must be a number like 2.0 (times the median step compute time), got {value!r}",
+                        field=field_path)
+    if value <= 1:
+        raise SpecError(f"must be > 1 (1 would flag every rank), got {value!r}", field=field_path)
+    return float(value)
 
 
 def _parse_seconds(

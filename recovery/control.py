@@ -116,6 +116,7 @@ class ControlLink:
                             node=self.node,
                             time=time.time(),
                             step_time=s.step_time,
+                            compute_time=s.compute_time,
                             metrics=dict(s.metrics),
                         )
                     )

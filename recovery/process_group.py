@@ -53,6 +53,7 @@ class ReconfigurableProcessGroup:
         self._graveyard: list[object] = []
         self.error: str | None = None
         self.device = torch.device("cpu")
+        self.comm_seconds = 0.0  # wall time spent inside collectives (straggler scoring)
 
     # -- control plane side ---------------------------------------------------------------
     def supersede(self, epoch: int) -> None:
@@ -120,6 +121,7 @@ class ReconfigurableProcessGroup:
         except Exception as e:  # noqa: BLE001
             self.abandon(f"{what} failed to start: {e}")
             return False
+        t0 = time.perf_counter()
         done = threading.Event()
         with self._lock:
             self._waiters.add(done)
@@ -132,6 +134,7 @@ class ReconfigurableProcessGroup:
         finally:
             with self._lock:
                 self._waiters.discard(done)
+            self.comm_seconds += time.perf_counter() - t0
         if not work.is_completed() and self.superseded:
             self._graveyard.append((work, keep))
             self.abandon(f"{what} abandoned: epoch {self.epoch} superseded by {self._latest_epoch}")

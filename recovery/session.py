@@ -61,6 +61,7 @@ class Session:
         beat: Callable[[int], None] = lambda step: None,
         backend: str | None = None,
         agent_pid: int = 0,
+        delay: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.job = job
         self.spec = spec
@@ -72,7 +73,9 @@ class Session:
         self._target_epoch = epoch
         self.committed = -1  # last step completed (with every collective in it) on this rank
         self.step_time = 0.0
+        self.compute_time = 0.0  # EWMA of seconds per step outside collectives
         self.metrics: dict[str, float] = {}
+        self._delay = delay
         self.js = JobStore(store, job)
         self._beat_fn = beat
         self._agent_pid = agent_pid
@@ -175,14 +178,18 @@ class Session:
                     continue
                 self._maybe_chaos(step)
                 t0 = time.perf_counter()
+                comm0 = self._pg.comm_seconds
                 yield step
-                if self._slow:
-                    time.sleep(self._slow)
+                slow = self._slow or self._delay()
+                if slow:
+                    time.sleep(slow)
                 if not self._pg.healthy:
                     log.warning("step %d failed (%s); rolling back", step, self._pg.error)
                     step = self._join()
                     continue
                 self.step_time = time.perf_counter() - t0
+                compute = self.step_time - (self._pg.comm_seconds - comm0)
+                self.compute_time = compute if self.compute_time == 0 else 0.8 * self.compute_time + 0.2 * compute
                 self.committed = step
                 self.snapshots.capture(step)
                 self._dirty = False
@@ -365,28 +372,40 @@ class Session:
         write_rank(self.spec["output_dir"], self.rank, total - 1, tensors, meta)
 
     def _maybe_chaos(self, step: int) -> None:
+        """Scheduled failures from the spec, fired exactly once at the start of a step.
+
+        Entries targeting a rank fire in that rank; entries naming a node (or no target:
+        kill-controller, restart-etcd) fire in rank 0. What this process can do itself
+        (kill, stop or slow itself, kill its own agent) it does at once, precisely at the
+        step; the rest goes through etcd to whoever executes it, as the CLI would.
+        """
         for i, c in enumerate(self.spec.get("chaos") or ()):
-            if c["at_step"] != step or c.get("rank") != self.rank:
+            if c["at_step"] != step:
                 continue
-            if c["action"] not in ("kill-rank", "hang-rank", "slow-rank", "kill-node"):
+            mine = c.get("rank") == self.rank if c.get("rank") is not None else self.rank == 0
+            if not mine:
                 continue
             try:
                 if not self.js.store.create(self.js.keys.fired(i), str(time.time())):
                     continue  # already fired in an earlier life of this step
+                target = c.get("node") or self.node
                 self.js.event(
                     "chaos",
                     f"rank{self.rank}",
-                    f"scheduled {c['action']} of rank {self.rank} at step {step}",
+                    f"scheduled {c['action']} at step {step}"
+                    + (f" of rank {c['rank']}" if c.get("rank") is not None else "")
+                    + (f" on {c['node']}" if c.get("node") else ""),
                     action=c["action"],
-                    rank=self.rank,
-                    node=self.node,
+                    rank=c.get("rank"),
+                    node=target,
                     step=step,
+                    seconds=c.get("seconds"),
                 )
-            except StoreError:
-                continue
-            self._fire(c)
+                self._fire(c, target)
+            except StoreError as e:
+                log.warning("chaos entry %d not fired: %s", i, e)
 
-    def _fire(self, c: dict) -> None:
+    def _fire(self, c: dict, node: str) -> None:
         action = c["action"]
         log.warning("chaos: %s at step (rank %d)", action, self.rank)
         if action == "kill-rank":
@@ -395,8 +414,23 @@ class Session:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif action == "slow-rank":
             self._slow = float(c.get("seconds") or 0.5)
-        elif action == "kill-node" and self._agent_pid:
+        elif action == "kill-node" and node == self.node and self._agent_pid:
             # the agent dies; this worker and its siblings follow through PDEATHSIG
             os.kill(self._agent_pid, signal.SIGKILL)
             time.sleep(5)
             os.kill(os.getpid(), signal.SIGKILL)
+        elif action in ("kill-node", "partition-node"):
+            self.js.send_chaos(node, {"action": action, "seconds": c.get("seconds"), "evented": True})
+        elif action == "kill-controller":
+            from orchestrator.controller import CONTROLLER_NODE
+
+            self.js.send_chaos(CONTROLLER_NODE, {"action": action, "evented": True})
+        elif action == "restart-etcd":
+            import subprocess
+            import sys
+
+            subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.cli", "chaos", self.job, "--action",
+                 "restart-etcd", "--seconds", str(c.get("seconds") or 5)],
+                start_new_session=True, stdin=subprocess.DEVNULL,
+            )

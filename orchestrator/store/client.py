@@ -126,6 +126,10 @@ class Lease:
         """Stop sending keepalives (chaos: partition) without revoking."""
         self._paused.set()
 
+    def resume(self) -> None:
+        """Send keepalives again; if the lease expired meanwhile, ``lost`` is set."""
+        self._paused.clear()
+
     def revoke(self) -> None:
         self._stop.set()
         try:
@@ -171,6 +175,13 @@ class Store:
                 cert_cert=cert,
                 user=user,
                 password=password,
+                # reconnect within a second after an outage (gRPC's default backoff grows
+                # to two minutes, which would keep us away long after etcd is back)
+                grpc_options=[
+                    ("grpc.initial_reconnect_backoff_ms", 200),
+                    ("grpc.min_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 1000),
+                ],
             )
         # python3-etcd3 marks an endpoint "failed" for 300 s after one error: with a single
         # endpoint the client would be useless for 5 minutes after a blip. Retry at once.

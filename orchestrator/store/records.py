@@ -135,6 +135,7 @@ class Progress:
     node: str
     time: float
     step_time: float = 0.0
+    compute_time: float = 0.0  # seconds per step outside collectives (EWMA): straggler score
     metrics: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
