@@ -159,6 +159,8 @@ class ReplicaServer:
                 h, data = got
                 return {"ok": True, "snapshot": h}, data
             if op == "put":
+                if rank < 0:
+                    raise WireError(f"put for invalid rank {rank}")
                 snap = header.get("snapshot")
                 if not isinstance(snap, dict) or not isinstance(snap.get("step"), int):
                     raise WireError("put without a snapshot header")
@@ -306,7 +308,7 @@ def fetch_first(
         try:
             header, body = fetch(host, port, secret, rank, step)
             return header, body, name
-        except (OSError, WireError) as e:
+        except (OSError, WireError, ValueError, TypeError, KeyError) as e:
             log.warning("replica of rank %d step %d from %s rejected: %s", rank, step, name, e)
             errors.append(f"{name}: {e}")
     raise RuntimeError(f"no usable replica of rank {rank} at step {step}: " + "; ".join(errors))

@@ -37,7 +37,6 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
     }
     try:

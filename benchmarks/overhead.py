@@ -8,8 +8,8 @@
     default spec: ``replicas: 1``, ``replicate_every: 10``) an agent stand-in process runs
     the real ``agents.replica.Replicator``, pushing every replication point to a buddy
     ``ReplicaServer`` over loopback and confirming it, as a node agent would.
-    Paired trials alternate which mode runs first; each trial rebuilds the workload from
-    the same seed, warms up, then times ``--steps`` steps. Ratio = median over trials of
+    After one untimed run of the workload, paired trials alternate which mode runs first;
+    each run rebuilds the workload from the same seed, warms up, then times ``--steps`` steps. Ratio = median over trials of
     (median step time on / median step time off).
 (b) stall vs torch.save: per step, the time the training thread is blocked by snapshots
     (``capture`` wall time + the pre-hook's ``wait``) versus a synchronous ``torch.save`` of
@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.n_layer} n_embd {a.n_embd} block {a.block_size} batch {a.batch_size}; replication {a.replication}; "
           f"{a.threads} torch thread(s); {info['cpu_count']} CPUs, torch {info['torch']}", flush=True)
 
+    # one untimed run first, so that whichever mode the first trial times is not also paying
+    # for the process's first use of the workload (lazy initialisation, allocator growth)
+    run_off(argparse.Namespace(**{**vars(a), "steps": max(1, a.warmup)}))
     trials = []
     for t in range(a.trials):
         order = ("off", "on") if t % 2 == 0 else ("on", "off")

@@ -82,8 +82,12 @@ class Slot:
         self.data_off = _align(CTRL_SIZE + header_cap, 4096)
         self.size = self.data_off + max(data_len, 1)
         if create:
-            with open(path, "wb") as f:
+            # a fresh inode, swapped in whole: a reader (the agent) that has the old file
+            # mapped keeps reading the old bytes instead of faulting on a truncated file
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+            with open(tmp, "wb") as f:
                 f.truncate(self.size)
+            os.replace(tmp, path)
         fd = os.open(path, os.O_RDWR)
         try:
             self.mm = mmap.mmap(fd, self.size)

@@ -38,22 +38,26 @@ def split_state(obj: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], An
     """Nested dict/list/tuple with tensors -> (flat tensors, JSON skeleton)."""
     tensors: dict[str, torch.Tensor] = {}
 
+    def put(path: str, t: torch.Tensor) -> None:
+        if path in tensors:  # cannot happen with escaped names; never overwrite silently
+            raise ValueError(f"two tensors in the state map to the name {path!r}")
+        tensors[path] = t
+
     def walk(x: Any, path: str) -> Any:
         if isinstance(x, torch.Tensor):
-            tensors[path] = x.detach()
+            put(path, x.detach())
             return {"__tensor__": path}
         if isinstance(x, Mapping):
             keys = list(x.keys())
             if all(isinstance(k, str) for k in keys):
-                return {"__dict__": {k: walk(v, f"{path}.{k}") for k, v in x.items()}}
-            return {"__items__": [[_key(k), walk(v, f"{path}.{_key(k)}")] for k, v in x.items()]}
+                return {"__dict__": {k: walk(v, f"{path}.{_name(k)}") for k, v in x.items()}}
+            return {"__items__": [[_key(k), walk(v, f"{path}.{_name(_key(k))}")] for k, v in x.items()]}
         if isinstance(x, tuple):
             return {"__tuple__": [walk(v, f"{path}.{i}") for i, v in enumerate(x)]}
         if isinstance(x, list):
             return [walk(v, f"{path}.{i}") for i, v in enumerate(x)]
         if isinstance(x, np.ndarray):
-            t = torch.from_numpy(np.ascontiguousarray(x))
-            tensors[path] = t
+            put(path, torch.from_numpy(np.ascontiguousarray(x)))
             return {"__ndarray__": path}
         if isinstance(x, np.generic):
             return x.item()
@@ -65,6 +69,17 @@ def split_state(obj: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], An
         )
 
     return tensors, walk(obj, prefix)
+
+
+def _name(k: Any) -> str:
+    """A key as one unambiguous path segment: '.' and '~' escaped, non-strings tagged
+    (so {"a.b": x} and {"a": {"b": y}}, or keys 1 and "1", never share a name)."""
+    if isinstance(k, str):
+        k = k.replace("~", "~0").replace(".", "~1")
+        return "~2" + k[1:] if k.startswith("#") else k
+    if isinstance(k, int) and not isinstance(k, bool):
+        return f"#{k}"
+    return f"#{type(k).__name__}:{k}"
 
 
 def _key(k: Any) -> Any:
@@ -194,7 +209,13 @@ class ValueState:
         return {}
 
     def meta(self) -> Any:
-        return split_state(self.values)[1]
+        tensors, skel = split_state(self.values)
+        if tensors:
+            raise TypeError(
+                f"extra= holds JSON values only, but {sorted(tensors)[0]!r} is an array or "
+                "tensor: track it with a provider (an object with state_dict/load_state_dict)"
+            )
+        return skel
 
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Any) -> None:
         restored = join_state({}, meta)

@@ -37,15 +37,23 @@ class WireError(Exception):
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
+    """Exactly n bytes. Memory grows with what actually arrives (16 MiB at a time), never
+    with what a peer merely claims it will send."""
+    chunks = []
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise WireError(f"peer closed the connection ({got} of {n} bytes read)")
-        got += k
-    return bytes(buf)
+        want = min(n - got, 16 << 20)
+        buf = bytearray(want)
+        view = memoryview(buf)
+        have = 0
+        while have < want:
+            k = sock.recv_into(view[have:], want - have)
+            if k == 0:
+                raise WireError(f"peer closed the connection ({got + have} of {n} bytes read)")
+            have += k
+        chunks.append(buf)
+        got += want
+    return b"".join(chunks) if len(chunks) != 1 else bytes(chunks[0])
 
 
 class Channel:
@@ -152,7 +160,7 @@ def validate_snapshot(header: dict, body: bytes) -> None:
             raise WireError(f"tensor entry {i} is not an object")
         name, dtype, shape = t.get("name"), t.get("dtype"), t.get("shape")
         off, nb = t.get("offset"), t.get("nbytes")
-        if not isinstance(name, str) or dtype not in ELEM or not isinstance(shape, list):
+        if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in ELEM or not isinstance(shape, list):
             raise WireError(f"tensor entry {i} is malformed ({name!r}, {dtype!r})")
         if not all(isinstance(d, int) and d >= 0 for d in shape):
             raise WireError(f"tensor {name}: bad shape {shape!r}")

@@ -1,0 +1,537 @@
+"""Time lost per failure: hotspare vs torchrun with checkpoint/restart, same GPT workload.
+
+Per trial, five runs of the GPT demo workload (``examples/gpt.py``: ``build(...)`` with the
+same arguments and seed everywhere, ``--ranks`` ranks, ``--steps`` steps, one torch thread
+per process, gloo on loopback):
+
+* hotspare, no failure     ``hotspare run`` of ``examples/gpt.py:train``, ``--ranks`` ranks on
+                           one-rank nodes + 1 hot spare node (a private etcd and controller).
+* hotspare, one failure    the same with the spec's ``chaos: [{at_step: F, action: kill-rank}]``:
+                           rank ``--fail-rank``'s worker SIGKILLs itself at the start of step F.
+* torchrun, no failure     ``torchrun --standalone --nproc-per-node N --max-restarts R
+                           benchmarks/torchrun_worker.py``: the same training step (flat-buffer
+                           gradient allreduce like ``Session.allreduce_grads``), a rank-local
+                           checkpoint (model, optimizer, scheduler, data position, RNGs; atomic
+                           rename) every ``--K`` steps, resume from the newest complete one.
+* torchrun, one failure    the same; the worker of rank ``--fail-rank`` SIGKILLs itself at the
+                           start of step F in the first attempt only; torchrun restarts the
+                           whole group, which reloads the checkpoint and recomputes the steps
+                           since it (F = 150, K = 20: resume after step 139, ~10 steps redone,
+                           the expected K/2).
+* plain                    torchrun with ``--max-restarts 0``, no checkpoints: training with no
+                           fault tolerance at all (for the steady-state overhead).
+
+Wall time, defined identically for both systems (the *training span*): from the moment the
+last rank is about to run step 0 (its process group built, workload built, state restored)
+to the moment the last rank has finished the last step. Both sides take ``time.time()``
+on the same host:
+
+* hotspare: the span from the newest ``restored`` event of epoch 1 (each rank emits it right
+  before its first step) to the controller's ``succeeded`` event (it follows the first rank's
+  done-mark, which each rank writes after its last step, its final-state write and the final
+  barrier; so all ranks are past their last step), read with
+  ``python -m orchestrator.cli events JOB --json``. (The ranks' own ``finished`` events would
+  be a few ms closer, but the agents SIGTERM workers as soon as the job is ``succeeded``, so
+  some of them are lost; the extra tens of ms count against hotspare, equally in both runs.)
+* torchrun: the span from the newest ``a0-r*-start.json`` record (written by each worker of
+  the first attempt right before its first step) to the newest ``end`` record of the last
+  attempt (written after the last step).
+
+Everything that a failure costs happens inside the span (torchrun: group teardown, new
+processes, ``import torch``, rendezvous, rebuilding the workload, loading the checkpoint and
+recomputing; hotspare: detection, the swap to the warm spare, the group rebuild and the
+restore), while the start-up before step 0 (etcd/agents/warm workers for hotspare, the
+first spawn for torchrun), which a failure does not change but which is noisy on a shared
+machine, is excluded from both in the same way. Time lost per failure = span with the
+failure - span without it, paired within a trial, median over trials. The whole-command
+wall times (``hotspare run`` process; whole ``torchrun`` command) are measured and
+reported too, with the same difference, as a cross-check.
+
+Steady-state overhead: ``overhead_ratio`` = hotspare's no-failure span / plain's span
+(per-trial ratio, median): what hotspare's per-step snapshots, control thread and
+final-state write cost when nothing fails. ``torchrun_ckpt_overhead_ratio`` is the same for
+torchrun with its checkpoints.
+
+``--step-sleep S`` adds S seconds to every step on both sides (a model whose step takes
+longer); for hotspare the entrypoint is then this file's ``hotspare_train``, which runs
+``examples/gpt.py:train`` unchanged with a session whose ``steps()`` sleeps after each step.
+
+    .venv/bin/python benchmarks/lost_time.py --trials 5
+    .venv/bin/python benchmarks/lost_time.py --trials 1 --steps 60 --fail-step 30   # quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common import (
+    EXAMPLES,
+    OUT,
+    REPO,
+    BenchCluster,
+    fmt,
+    machine_info,
+    summarize,
+    table,
+    write_json,
+)
+
+HERE = Path(__file__).resolve()
+WORKER = HERE.parent / "torchrun_worker.py"
+AIM_RATIO = 0.2  # hotspare loses at most 1/5 of what torchrun loses per failure (at K = 20)
+# hotspare's agents SIGTERM their workers as soon as the job is 'succeeded' (the first rank's
+# done-mark), so a rank still flushing its own 'finished' event can lose it: the end of the
+# span is the 'succeeded' event, which comes after every rank's last step.
+END_NOTE = "hotspare end = 'succeeded' event (ranks' 'finished' events can be lost when agents exit)"
+SYSTEMS = ("hotspare_nofail", "hotspare_fail", "torchrun_nofail", "torchrun_fail", "plain")
+
+
+# -- hotspare entrypoint for --step-sleep (runs inside hotspare's workers) ---------------------
+class _SleepySession:
+    """A session whose steps() sleeps after every step body: a slower model, same code."""
+
+    def __init__(self, session: Any, step_sleep: float) -> None:
+        self._session = session
+        self._step_sleep = step_sleep
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
+
+    def steps(self, total: int | None = None):
+        for step in self._session.steps(total):
+            yield step
+            time.sleep(self._step_sleep)
+
+
+def _gpt():
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import gpt
+
+    return gpt
+
+
+def hotspare_train(session: Any, step_sleep: float = 0.0, **args: Any) -> None:
+    """``examples/gpt.py:train`` with ``step_sleep`` extra seconds per step."""
+    _gpt().train(_SleepySession(session, step_sleep) if step_sleep > 0 else session, **args)
+
+
+def warmup(step_sleep: float = 0.0, **args: Any) -> None:
+    """The warm-up hotspare runs in a spare before it has a rank (gpt.py's own)."""
+    _gpt().warmup(**args)
+
+
+# -- arguments ---------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--trials", type=int, default=5, help="trials (each: all five runs)")
+    p.add_argument("--json", default=str(OUT / "lost_time.json"), help="where to write the results")
+    p.add_argument("--ranks", type=int, default=4, help="training ranks (hotspare: one per node, plus one spare)")
+    p.add_argument("--steps", type=int, default=300, help="training steps per run")
+    p.add_argument("--fail-step", type=int, default=150, help="the failed rank dies at the start of this step")
+    p.add_argument("--fail-rank", type=int, default=1, help="the rank that dies")
+    p.add_argument("--K", type=int, default=20, help="torchrun: checkpoint every K steps")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (models a bigger model)")
+    p.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts for the checkpointed runs")
+    p.add_argument("--n-layer", type=int, default=2, help="gpt.build n_layer")
+    p.add_argument("--n-embd", type=int, default=64, help="gpt.build n_embd")
+    p.add_argument("--lease-ttl", type=float, default=3.0, help="hotspare spec lease_ttl")
+    p.add_argument("--hang-timeout", type=float, default=30.0, help="hotspare spec hang_timeout")
+    p.add_argument("--run-timeout", type=float, default=600, help="give up on one run after this many seconds")
+    p.add_argument("--runs", default=",".join(SYSTEMS),
+                   help="comma-separated subset of the runs per trial (default: all five)")
+    p.add_argument("--workdir", help="keep etcd data, specs, logs and records here (default: a temp dir, removed)")
+    a = p.parse_args(argv)
+    a.runs = [r.strip().replace("-", "_") for r in a.runs.split(",") if r.strip()]
+    bad = [r for r in a.runs if r not in SYSTEMS]
+    if bad or not a.runs:
+        p.error(f"unknown run(s) {bad}; choose from {list(SYSTEMS)}")
+    if a.trials < 1:
+        p.error("--trials must be >= 1")
+    if not 0 < a.fail_step < a.steps:
+        p.error("--fail-step must be inside (0, steps)")
+    if not 0 <= a.fail_rank < a.ranks:
+        p.error("--fail-rank must be < --ranks")
+    if a.K < 1:
+        p.error("--K must be >= 1")
+    if a.step_sleep < 0:
+        p.error("--step-sleep must be >= 0")
+    return a
+
+
+def gpt_args(a: argparse.Namespace) -> dict[str, Any]:
+    """gpt.build/gpt.train arguments: gpt.py's defaults, spelled out so both sides get the same."""
+    return {"n_layer": a.n_layer, "n_embd": a.n_embd, "n_head": 4, "block_size": 64, "batch_size": 8,
+            "lr": 3e-3, "seed": 1234, "dropout": 0.1, "warmup_steps": 10, "decay_steps": 2000}
+
+
+# -- hotspare ----------------------------------------------------------------------------------
+class LostTimeCluster(BenchCluster):
+    def run_timed(self, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Run ``spec`` with ``hotspare run --json``; its summary, the command's wall time and
+        the job's events."""
+        import yaml
+
+        name = spec["name"]
+        if self.controller.poll() is not None:
+            raise RuntimeError(f"the controller exited with {self.controller.returncode}; see {self.tmp}/controller.log")
+        spec = dict(spec, output_dir=str(self.output_dir(name)))
+        path = self.tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        self.jobs.append(name)
+        t0 = time.monotonic()
+        try:
+            r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", str(path), "--json",
+                                "--timeout", str(int(timeout))],
+                               env=self.env, capture_output=True, text=True, timeout=timeout + 60, cwd=self.tmp)
+            out, err = r.stdout, r.stderr
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        wall = time.monotonic() - t0
+        try:
+            ev = subprocess.run([sys.executable, "-m", "orchestrator.cli", "events", name, "--json"],
+                                env=self.env, capture_output=True, text=True, timeout=120, cwd=self.tmp)
+            lines = [ln for ln in ev.stdout.splitlines() if ln.startswith("{")]
+            events = json.loads(lines[-1])["events"] if lines else []
+        finally:
+            self._reap_job(name)
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        return {"summary": json.loads(lines[-1]) if lines else None, "wall_s": wall, "events": events,
+                "log_tail": (out + "\n" + err)[-3000:]}
+
+
+def hotspare_spec(a: argparse.Namespace, name: str, fail: bool) -> dict[str, Any]:
+    args = gpt_args(a)
+    if a.step_sleep > 0:
+        entry = f"{HERE}:hotspare_train"
+        args["step_sleep"] = a.step_sleep
+    else:
+        entry = str(EXAMPLES / "gpt.py") + ":train"
+    spec: dict[str, Any] = {
+        "name": name,
+        "entrypoint": entry,
+        "ranks": a.ranks,
+        "spares": 1,
+        "ranks_per_node": 1,
+        "steps": a.steps,
+        "lease_ttl": a.lease_ttl,
+        "hang_timeout": a.hang_timeout,
+        "on_no_spare": "wait",
+        "args": args,
+    }
+    if fail:
+        spec["chaos"] = [{"at_step": a.fail_step, "action": "kill-rank", "rank": a.fail_rank}]
+    return spec
+
+
+def run_hotspare(cluster: LostTimeCluster, a: argparse.Namespace, name: str, fail: bool) -> dict[str, Any]:
+    res = cluster.run_timed(hotspare_spec(a, name, fail), timeout=a.run_timeout)
+    s, events = res["summary"], res["events"]
+    rec: dict[str, Any] = {"job": name, "wall_s": round(res["wall_s"], 3),
+                           "state": s.get("state") if s else None}
+
+    def times(kind: str, epoch: int | None = None) -> list[float]:
+        return [e["time"] for e in events if e["kind"] == kind and (epoch is None or e["data"].get("epoch") == epoch)]
+
+    started, finished = times("restored", 1), times("finished")
+    placed, succeeded = times("placed"), times("succeeded")
+    problems = []
+    if s is None:
+        problems.append("no JSON summary from `hotspare run`")
+    elif s.get("state") != "succeeded":
+        problems.append(f"job {s.get('state')}")
+    if len(started) < a.ranks or not succeeded:
+        problems.append(f"timeline has {len(started)} epoch-1 'restored' events (expected >= {a.ranks}) and "
+                        f"{len(succeeded)} 'succeeded'")
+    else:
+        # end: the controller's 'succeeded' (it follows the first rank's done-mark, which follows the
+        # final barrier, so every rank has finished its last step); the ranks' own 'finished' events
+        # can be missing, see END_NOTE
+        rec["span_s"] = round(max(succeeded) - max(started), 3)
+        t0 = min(placed) if placed else max(started)
+        rec["timeline_s"] = {  # relative to 'placed'
+            "first_rank_started": round(min(started) - t0, 3), "last_rank_started": round(max(started) - t0, 3),
+            "finished": sorted(round(x - t0, 3) for x in finished), "succeeded": round(max(succeeded) - t0, 3)}
+        if finished:
+            rec["finished_events"] = len(finished)
+    if placed and succeeded:
+        rec["placed_to_succeeded_s"] = round(max(succeeded) - min(placed), 3)
+    recs = (s or {}).get("recoveries") or []
+    rec["recoveries"] = recs
+    if fail:
+        if len(recs) != 1:
+            problems.append(f"{len(recs)} recoveries (expected 1)")
+        else:
+            rec["recovery_total_s"] = recs[0].get("total_s")
+        resumed = [e["data"].get("restore_step") for e in events if e["kind"] == "restored"
+                   and (e["data"].get("epoch") or 0) > 1]
+        if resumed:
+            rec["resumed_after_step"] = min(resumed)
+            rec["recomputed_steps"] = a.fail_step - 1 - min(resumed)
+    elif recs:
+        problems.append(f"{len(recs)} recoveries in the no-failure run")
+    rec["ok"] = not problems
+    if problems:
+        rec["problems"] = problems
+        rec["log_tail"] = res["log_tail"]
+    return rec
+
+
+# -- torchrun ----------------------------------------------------------------------------------
+def run_torchrun(a: argparse.Namespace, workdir: Path, name: str, *, ckpt: bool, fail: bool,
+                 max_restarts: int) -> dict[str, Any]:
+    d = workdir / name
+    shutil.rmtree(d, ignore_errors=True)
+    out = d / "records"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.ranks),
+           "--max-restarts", str(max_restarts), str(WORKER), "--steps", str(a.steps), "--out", str(out)]
+    if ckpt:
+        cmd += ["--ckpt-dir", str(d / "ckpt"), "--K", str(a.K)]
+    if fail:
+        cmd += ["--fail-step", str(a.fail_step), "--fail-rank", str(a.fail_rank)]
+    if a.step_sleep > 0:
+        cmd += ["--step-sleep", str(a.step_sleep)]
+    for k, v in gpt_args(a).items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    pp = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + pp if pp else "")
+    d.mkdir(parents=True, exist_ok=True)
+    log = d / "torchrun.log"
+    rec: dict[str, Any] = {"run": name, "checkpoint_every": a.K if ckpt else None, "max_restarts": max_restarts}
+    problems = []
+    t0 = time.monotonic()
+    with open(log, "wb") as f:
+        p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, cwd=d)
+        try:
+            rc = p.wait(a.run_timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+            problems.append(f"torchrun did not finish within {a.run_timeout:.0f}s (hang?); killed it")
+        rec["wall_s"] = round(time.monotonic() - t0, 3)
+        try:  # the whole group we started: torchrun and any worker it left behind
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        p.wait()
+    rec["rc"] = rc
+    if rc not in (0, None):
+        problems.append(f"torchrun exited with {rc}")
+
+    def load(pattern: str) -> dict[str, dict[str, Any]]:
+        got = {}
+        for fp in sorted(out.glob(pattern)):
+            try:
+                got[fp.name] = json.loads(fp.read_text())
+            except (OSError, ValueError):
+                pass
+        return got
+
+    starts, ends, kills = load("a*-r*-start.json"), load("a*-r*-end.json"), load("a*-r*-kill.json")
+    attempts = sorted({int(n[1:].split("-")[0]) for n in starts})
+    rec["attempts"] = len(attempts)
+    first = [v for n, v in starts.items() if n.startswith("a0-")]
+    last = attempts[-1] if attempts else 0
+    last_ends = [v for n, v in ends.items() if n.startswith(f"a{last}-")]
+    if len(first) < a.ranks or len(last_ends) < a.ranks:
+        problems.append(f"records: {len(first)} first-attempt starts, {len(last_ends)} ends of attempt {last} "
+                        f"(expected {a.ranks} each)")
+    else:
+        rec["span_s"] = round(max(e["t"] for e in last_ends) - max(s["t"] for s in first), 3)
+        rec["final_loss"] = next(e["final_loss"] for n, e in sorted(ends.items()) if n.startswith(f"a{last}-r0-"))
+    if fail:
+        if attempts != [0, 1]:
+            problems.append(f"attempts {attempts} (expected [0, 1]: one restart)")
+        if kills and len(attempts) > 1:
+            t_kill = min(k["t"] for k in kills.values())
+            again = [v for n, v in starts.items() if n.startswith("a1-")]
+            if again:
+                rec["kill_to_resume_s"] = round(max(s["t"] for s in again) - t_kill, 3)
+                rec["resumed_after_step"] = min(s["start_step"] for s in again) - 1
+                rec["recomputed_steps"] = a.fail_step - min(s["start_step"] for s in again)
+        elif not kills:
+            problems.append("no kill record: the failure was not injected")
+    elif len(attempts) != 1:
+        problems.append(f"{len(attempts)} attempts in a no-failure run")
+    rec["ok"] = not problems
+    if problems:
+        rec["problems"] = problems
+        try:
+            rec["log_tail"] = log.read_text(errors="replace")[-3000:]
+        except OSError:
+            pass
+    if not a.workdir:
+        shutil.rmtree(d / "ckpt", ignore_errors=True)
+    return rec
+
+
+# -- statistics --------------------------------------------------------------------------------
+def paired(trials: list[dict[str, Any]], x: str, y: str, key: str, op: str) -> list[float]:
+    """Per trial: x[key] - y[key] (op '-') or x[key] / y[key] (op '/'), where both runs were ok."""
+    vals = []
+    for t in trials:
+        rx, ry = t.get(x), t.get(y)
+        if not (rx and ry and rx.get("ok") and ry.get("ok")):
+            continue
+        vx, vy = rx.get(key), ry.get(key)
+        if vx is None or vy is None or (op == "/" and vy <= 0):
+            continue
+        vals.append(vx - vy if op == "-" else vx / vy)
+    return vals
+
+
+def med(vals: list[float]) -> float | None:
+    return round(statistics.median(vals), 3) if vals else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    info = machine_info()
+    tag = "lt-" + secrets.token_hex(2)
+    print(f"lost-time benchmark: {a.trials} trial(s); {a.ranks} ranks, {a.steps} steps, rank {a.fail_rank} killed at "
+          f"step {a.fail_step}; torchrun checkpoints every K={a.K} steps"
+          + (f"; +{a.step_sleep:g}s per step" if a.step_sleep else "")
+          + f"; {info['cpu_count']} CPUs, torch {info['torch']}", flush=True)
+    cluster = LostTimeCluster(Path(a.workdir) if a.workdir else None, keep=bool(a.workdir))
+    trdir = cluster.tmp / "torchrun"
+    trials: list[dict[str, Any]] = []
+    try:
+        for t in range(a.trials):
+            trial: dict[str, Any] = {"trial": t}
+            trials.append(trial)
+            runs = {
+                "hotspare_nofail": lambda t=t: run_hotspare(cluster, a, f"{tag}-nofail-{t}", fail=False),
+                "hotspare_fail": lambda t=t: run_hotspare(cluster, a, f"{tag}-fail-{t}", fail=True),
+                "torchrun_nofail": lambda t=t: run_torchrun(a, trdir, f"nofail-{t}", ckpt=True, fail=False,
+                                                            max_restarts=a.max_restarts),
+                "torchrun_fail": lambda t=t: run_torchrun(a, trdir, f"fail-{t}", ckpt=True, fail=True,
+                                                          max_restarts=a.max_restarts),
+                "plain": lambda t=t: run_torchrun(a, trdir, f"plain-{t}", ckpt=False, fail=False, max_restarts=0),
+            }
+            order = [k for k in SYSTEMS if k in a.runs]
+            if t % 2:
+                order.reverse()  # spread slow drift of the machine's load over all runs
+            for key in order:
+                rec = runs[key]()
+                trial[key] = rec
+                extra = ""
+                if "recovery_total_s" in rec:
+                    extra = f" recovery {fmt(rec['recovery_total_s'])}s"
+                if "kill_to_resume_s" in rec:
+                    extra = f" kill->resumed {fmt(rec['kill_to_resume_s'])}s"
+                if "recomputed_steps" in rec:
+                    extra += f", {rec['recomputed_steps']} steps redone"
+                status = "ok" if rec["ok"] else "PROBLEM: " + "; ".join(rec["problems"])
+                print(f"  trial {t} {key:<16} span {fmt(rec.get('span_s'))}s  wall {fmt(rec.get('wall_s'))}s"
+                      f"{extra}  {status}", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted; writing what was measured", file=sys.stderr)
+    finally:
+        cluster.close()
+
+    hs_lost = paired(trials, "hotspare_fail", "hotspare_nofail", "span_s", "-")
+    tr_lost = paired(trials, "torchrun_fail", "torchrun_nofail", "span_s", "-")
+    hs_lost_w = paired(trials, "hotspare_fail", "hotspare_nofail", "wall_s", "-")
+    tr_lost_w = paired(trials, "torchrun_fail", "torchrun_nofail", "wall_s", "-")
+    ovh = paired(trials, "hotspare_nofail", "plain", "span_s", "/")
+    ovh_w = paired(trials, "hotspare_nofail", "plain", "wall_s", "/")
+    tr_ovh = paired(trials, "torchrun_nofail", "plain", "span_s", "/")
+    hs_l, tr_l = med(hs_lost), med(tr_lost)
+    ratio = round(hs_l / tr_l, 4) if hs_l is not None and tr_l else None
+    hs_lw, tr_lw = med(hs_lost_w), med(tr_lost_w)
+    ratio_w = round(hs_lw / tr_lw, 4) if hs_lw is not None and tr_lw else None
+    per_run = {k: {"span_s": summarize(t[k].get("span_s") for t in trials if k in t and t[k]["ok"]),
+                   "wall_s": summarize(t[k].get("wall_s") for t in trials if k in t and t[k]["ok"]),
+                   "ok": sum(1 for t in trials if k in t and t[k]["ok"]),
+                   "runs": sum(1 for t in trials if k in t)} for k in SYSTEMS}
+
+    def m(k: str, f: str) -> str:
+        return fmt(per_run[k][f]["median"], 2)
+
+    hs_rec = med([t["hotspare_fail"]["recovery_total_s"] for t in trials
+                  if t.get("hotspare_fail", {}).get("recovery_total_s") is not None])
+    tr_res = med([t["torchrun_fail"]["kill_to_resume_s"] for t in trials
+                  if t.get("torchrun_fail", {}).get("kill_to_resume_s") is not None])
+    rows = [
+        ["hotspare (4+1 spare)", m("hotspare_nofail", "span_s"), m("hotspare_fail", "span_s"), fmt(hs_l, 2),
+         fmt(hs_rec, 2) + " (fail->all resumed)", fmt(hs_lw, 2)],
+        [f"torchrun (ckpt K={a.K})", m("torchrun_nofail", "span_s"), m("torchrun_fail", "span_s"), fmt(tr_l, 2),
+         fmt(tr_res, 2) + " (kill->resumed)", fmt(tr_lw, 2)],
+        ["plain (no FT)", m("plain", "span_s"), "-", "-", "-", "-"],
+    ]
+    print()
+    print("median seconds; span = first training step -> last step done (same definition for both):")
+    print(table(["system", "span no-fail", "span 1 fail", "lost/failure", "down time", "lost (whole cmd)"], rows))
+    print()
+    verdict = "n/a" if ratio is None else ("met" if ratio <= AIM_RATIO else "NOT met")
+    print(f"K = {a.K} (torchrun checkpoint interval; failure at step {a.fail_step}: "
+          f"{a.fail_step % a.K} steps after the last checkpoint)")
+    print(f"time lost per failure: hotspare {fmt(hs_l, 2)} s, torchrun {fmt(tr_l, 2)} s -> ratio hotspare/torchrun "
+          f"{fmt(ratio, 3)} (aim <= {AIM_RATIO:g}: {verdict}); whole-command wall: {fmt(ratio_w, 3)}")
+    print(f"steady-state overhead: hotspare no-failure span / plain span = {fmt(med(ovh), 3)} "
+          f"(whole-command {fmt(med(ovh_w), 3)}); torchrun with checkpoints / plain = {fmt(med(tr_ovh), 3)}")
+    losses = [(t["torchrun_nofail"].get("final_loss"), t["torchrun_fail"].get("final_loss")) for t in trials
+              if t.get("torchrun_nofail", {}).get("ok") and t.get("torchrun_fail", {}).get("ok")]
+    exact = all(x == y for x, y in losses) if losses else None
+    if losses:
+        print(f"torchrun resume exact (final loss with failure == without, every trial): {exact}")
+
+    result: dict[str, Any] = {
+        "benchmark": "lost_time",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "hotspare_lost_s": hs_l,
+        "torchrun_lost_s": tr_l,
+        "ratio": ratio,
+        "K": a.K,
+        "overhead_ratio": med(ovh),
+        "aim": {"ratio_le": AIM_RATIO, "met": None if ratio is None else ratio <= AIM_RATIO},
+        "definition": (
+            "span = newest 'about to run step 0' timestamp of the first attempt/epoch -> newest 'last step done' "
+            "timestamp (hotspare: epoch-1 'restored' events -> the 'succeeded' event; torchrun: worker records). "
+            "lost = span(one failure) - span(no failure), paired per trial, median over trials. "
+            "overhead_ratio = span(hotspare, no failure) / span(plain torchrun, no checkpoints), median of per-trial "
+            "ratios. *_wall variants use whole-command wall time (hotspare run process; torchrun command)."),
+        "end_note": END_NOTE,
+        "hotspare_lost_wall_s": hs_lw,
+        "torchrun_lost_wall_s": tr_lw,
+        "ratio_wall": ratio_w,
+        "overhead_ratio_wall": med(ovh_w),
+        "torchrun_ckpt_overhead_ratio": med(tr_ovh),
+        "hotspare_recovery_total_s_median": hs_rec,
+        "torchrun_kill_to_resume_s_median": tr_res,
+        "torchrun_resume_exact": exact,
+        "lost_per_trial": {"hotspare_s": hs_lost, "torchrun_s": tr_lost, "hotspare_wall_s": hs_lost_w,
+                           "torchrun_wall_s": tr_lost_w},
+        "overhead_per_trial": {"span": ovh, "wall": ovh_w, "torchrun_ckpt_span": tr_ovh},
+        "per_run": per_run,
+        "config": {"trials": a.trials, "ranks": a.ranks, "steps": a.steps, "fail_step": a.fail_step,
+                   "fail_rank": a.fail_rank, "K": a.K, "step_sleep_s": a.step_sleep,
+                   "torchrun_max_restarts": a.max_restarts, "hotspare_spares": 1, "ranks_per_node": 1,
+                   "lease_ttl_s": a.lease_ttl, "hang_timeout_s": a.hang_timeout, "torch_threads_per_rank": 1,
+                   "workload": {"file": "examples/gpt.py", **gpt_args(a)},
+                   "torchrun_env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": "lo"}},
+        "machine": info,
+        "trials": trials,
+    }
+    path = write_json(a.json, result)
+    print(f"\nwrote {path}")
+    ok = bool(trials) and all(t.get(k, {}).get("ok") for t in trials for k in a.runs)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
