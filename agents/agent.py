@@ -54,6 +54,27 @@ def store_from_env(env: dict[str, str] | None = None) -> Store:
     )
 
 
+def sweep_stale_run_dirs(base: Path) -> None:
+    """Remove snapshot directories of agents that died without cleaning up (SIGKILL, node
+    loss): their shared memory would otherwise stay allocated until reboot."""
+    import shutil
+
+    for d in base.glob("hotspare-*"):
+        pid = d.name.rsplit("-", 2)[-2] if d.name.count("-") >= 3 else ""
+        if d.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def ring_buddies(world, nodes: dict, me: str, k: int) -> list[tuple[str, str, int]]:
     """The ``k`` nodes after ``me`` in ring order (nodes of the world, in seat order) that
     hold this node's replicas; never this node itself."""
@@ -84,6 +105,8 @@ class WorkerProc:
     epoch: int = 0
     hang_killed: bool = False
     assigned_at: float = 0.0
+    last_hb: tuple = ()
+    last_change: float = 0.0
 
 
 class Agent:
@@ -116,6 +139,7 @@ class Agent:
         self._published_warm = -1
         self._partitioned_until = 0.0
         self._frozen: list[WorkerProc] = []
+        self._lost_here: dict[int, int] = {}  # rank -> epoch its worker died here in
 
     # -- life cycle -----------------------------------------------------------------------
     def run(self) -> int:
@@ -130,7 +154,8 @@ class Agent:
         self.log_dir = out / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        self.run_dir = Path(tempfile.mkdtemp(prefix=f"hotspare-{self.job}-{self.node}-", dir=base))
+        sweep_stale_run_dirs(base)
+        self.run_dir = Path(tempfile.mkdtemp(prefix=f"hotspare-{self.job}-{self.node}-{os.getpid()}-", dir=base))
         secret = self.js.secret()
         replicas = ReplicaStore(self.run_dir)
         self._server = ReplicaServer(replicas, secret, host=self.host).start()
@@ -252,6 +277,8 @@ class Agent:
                 log.warning("rank %d no longer belongs to %s at epoch %d: stopping its worker", rank, self.node, world.epoch)
                 self._kill(w)
         for rank in sorted(mine - set(held)):
+            if self._lost_here.get(rank, -1) >= world.seats[rank].since:
+                continue  # its worker died here in this seat: the controller decides, not us
             free = [w for w in self.workers.values() if w.rank is None and w.proc.poll() is None]
             if not free:
                 log.warning("rank %d assigned to %s but no free worker slot", rank, self.node)
@@ -284,10 +311,14 @@ class Agent:
             code = w.proc.poll()
             if code is None:
                 if w.rank is not None and not w.hang_killed:
-                    state, _step, beat, _pid = w.hb.read()
-                    since = max(beat, w.assigned_at)
-                    if state == RUNNING and now - since > self.hang_timeout:
-                        log.warning("rank %d: no heartbeat for %.1fs: killing", w.rank, now - since)
+                    # liveness = the heartbeat record *changing*, timed on our own clock:
+                    # immune to clock skew and to reading a record mid-write
+                    seen = w.hb.read()
+                    if seen != w.last_hb:
+                        w.last_hb, w.last_change = seen, now
+                    if seen[0] == RUNNING and now - max(w.last_change, w.assigned_at) > self.hang_timeout:
+                        log.warning("rank %d: no heartbeat for %.1fs (last %s): killing",
+                                    w.rank, now - max(w.last_change, w.assigned_at), seen)
                         w.hang_killed = True
                         self._kill(w, wait=False)
                 continue
@@ -316,6 +347,8 @@ class Agent:
                 log.warning("rank %d: %s", w.rank, rep.message)
             elif w.rank is None:
                 log.warning("warm worker pid %d exited with %s before assignment", w.proc.pid, code)
+            if w.rank is not None:
+                self._lost_here[w.rank] = w.epoch
             w.hb.close()
             del self.workers[slot]
             if not (w.rank is not None and code == 0):
@@ -365,6 +398,12 @@ class Agent:
                 pass
 
     def _shutdown(self) -> None:
+        # ranks that passed the final barrier are writing their last records: let them
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and any(
+            w.rank is not None and w.proc.poll() is None for w in self.workers.values()
+        ):
+            time.sleep(0.05)
         for w in self.workers.values():
             if w.rank is None and w.proc.stdin is not None:
                 try:

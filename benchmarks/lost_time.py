@@ -45,7 +45,15 @@ first spawn for torchrun), which a failure does not change but which is noisy on
 machine, is excluded from both in the same way. Time lost per failure = span with the
 failure - span without it, paired within a trial, median over trials. The whole-command
 wall times (``hotspare run`` process; whole ``torchrun`` command) are measured and
-reported too, with the same difference, as a cross-check.
+reported too, with the same difference, as a cross-check; on a small shared machine they are
+dominated by start-up and shutdown (hotspare: 15-40 s of warm-worker start before placement;
+torchrun: 5-8 s of worker interpreter teardown after the last step), which a single failure
+barely changes but which varies by seconds from run to run, so their difference is mostly
+noise and the span is the headline number.
+
+Same workload, checked: every run saves its final parameters (hotspare's ``final/`` state,
+the torchrun worker's ``--final-dir``, after the span) and each trial compares all five
+bit for bit (``identical_final_params``); torchrun's resume is exact, and so is hotspare's.
 
 Steady-state overhead: ``overhead_ratio`` = hotspare's no-failure span / plain's span
 (per-trial ratio, median): what hotspare's per-step snapshots, control thread and
@@ -240,7 +248,7 @@ def hotspare_spec(a: argparse.Namespace, name: str, fail: bool) -> dict[str, Any
 def run_hotspare(cluster: LostTimeCluster, a: argparse.Namespace, name: str, fail: bool) -> dict[str, Any]:
     res = cluster.run_timed(hotspare_spec(a, name, fail), timeout=a.run_timeout)
     s, events = res["summary"], res["events"]
-    rec: dict[str, Any] = {"job": name, "wall_s": round(res["wall_s"], 3),
+    rec: dict[str, Any] = {"job": name, "wall_s": round(res["wall_s"], 3), "output_dir": str(cluster.output_dir(name)),
                            "state": s.get("state") if s else None}
 
     def times(kind: str, epoch: int | None = None) -> list[float]:
@@ -300,6 +308,7 @@ def run_torchrun(a: argparse.Namespace, workdir: Path, name: str, *, ckpt: bool,
            "--max-restarts", str(max_restarts), str(WORKER), "--steps", str(a.steps), "--out", str(out)]
     if ckpt:
         cmd += ["--ckpt-dir", str(d / "ckpt"), "--K", str(a.K)]
+    cmd += ["--final-dir", str(d / "final")]
     if fail:
         cmd += ["--fail-step", str(a.fail_step), "--fail-rank", str(a.fail_rank)]
     if a.step_sleep > 0:
@@ -374,9 +383,48 @@ def run_torchrun(a: argparse.Namespace, workdir: Path, name: str, *, ckpt: bool,
             rec["log_tail"] = log.read_text(errors="replace")[-3000:]
         except OSError:
             pass
+    rec["final_dir"] = str(d / "final")
     if not a.workdir:
         shutil.rmtree(d / "ckpt", ignore_errors=True)
     return rec
+
+
+def final_params(rec: dict[str, Any], ranks: int) -> dict[int, dict[str, Any]] | None:
+    """A finished run's final model parameters per rank (hotspare: ``<output_dir>/final``,
+    torchrun: the worker's ``--final-dir``); None if missing."""
+    import torch
+
+    try:
+        if "output_dir" in rec:
+            from recovery.final import load_final
+
+            pre = "model.params/"
+            hs = load_final(rec["output_dir"])
+            return {r: {k[len(pre):]: v for k, v in hs.ranks[r].items() if k.startswith(pre)} for r in range(ranks)}
+        d = Path(rec["final_dir"])
+        return {r: torch.load(d / f"rank{r}.pt", weights_only=True) for r in range(ranks)}
+    except (OSError, KeyError, RuntimeError, ValueError):
+        return None
+
+
+def same_params(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]]) -> bool:
+    import torch
+
+    return set(a) == set(b) and all(
+        set(a[r]) == set(b[r]) and all(torch.equal(a[r][k], b[r][k]) for k in a[r]) for r in a)
+
+
+def check_identical(trial: dict[str, Any], ranks: int) -> dict[str, bool | None]:
+    """Each run's final parameters vs the first ok run's (all five train the same thing)."""
+    keys = [k for k in SYSTEMS if trial.get(k, {}).get("ok")]
+    if len(keys) < 2:
+        return {}
+    ref = final_params(trial[keys[0]], ranks)
+    out: dict[str, bool | None] = {"reference": keys[0]}  # type: ignore[dict-item]
+    for k in keys[1:]:
+        other = final_params(trial[k], ranks)
+        out[k] = None if ref is None or other is None else same_params(ref, other)
+    return out
 
 
 # -- statistics --------------------------------------------------------------------------------
@@ -390,7 +438,7 @@ def paired(trials: list[dict[str, Any]], x: str, y: str, key: str, op: str) -> l
         vx, vy = rx.get(key), ry.get(key)
         if vx is None or vy is None or (op == "/" and vy <= 0):
             continue
-        vals.append(vx - vy if op == "-" else vx / vy)
+        vals.append(round(vx - vy if op == "-" else vx / vy, 4))
     return vals
 
 
@@ -438,6 +486,10 @@ def main(argv: list[str] | None = None) -> int:
                 status = "ok" if rec["ok"] else "PROBLEM: " + "; ".join(rec["problems"])
                 print(f"  trial {t} {key:<16} span {fmt(rec.get('span_s'))}s  wall {fmt(rec.get('wall_s'))}s"
                       f"{extra}  {status}", flush=True)
+            trial["identical_final_params"] = same = check_identical(trial, a.ranks)
+            if same:
+                print(f"  trial {t} final parameters identical to {same['reference']}'s: "
+                      + ", ".join(f"{k} {v}" for k, v in same.items() if k != "reference"), flush=True)
     except KeyboardInterrupt:
         print("interrupted; writing what was measured", file=sys.stderr)
     finally:
@@ -456,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     ratio_w = round(hs_lw / tr_lw, 4) if hs_lw is not None and tr_lw else None
     per_run = {k: {"span_s": summarize(t[k].get("span_s") for t in trials if k in t and t[k]["ok"]),
                    "wall_s": summarize(t[k].get("wall_s") for t in trials if k in t and t[k]["ok"]),
+                   "placed_to_succeeded_s": summarize(t[k].get("placed_to_succeeded_s") for t in trials
+                                                      if k in t and t[k]["ok"]),
                    "ok": sum(1 for t in trials if k in t and t[k]["ok"]),
                    "runs": sum(1 for t in trials if k in t)} for k in SYSTEMS}
 
@@ -482,6 +536,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.fail_step % a.K} steps after the last checkpoint)")
     print(f"time lost per failure: hotspare {fmt(hs_l, 2)} s, torchrun {fmt(tr_l, 2)} s -> ratio hotspare/torchrun "
           f"{fmt(ratio, 3)} (aim <= {AIM_RATIO:g}: {verdict}); whole-command wall: {fmt(ratio_w, 3)}")
+    if hs_l is not None and hs_l < 0:
+        print("  (hotspare's loss is below this machine's run-to-run noise: the failure run was faster than the "
+              "no-failure run; more trials or a quieter machine narrow it)")
     print(f"steady-state overhead: hotspare no-failure span / plain span = {fmt(med(ovh), 3)} "
           f"(whole-command {fmt(med(ovh_w), 3)}); torchrun with checkpoints / plain = {fmt(med(tr_ovh), 3)}")
     losses = [(t["torchrun_nofail"].get("final_loss"), t["torchrun_fail"].get("final_loss")) for t in trials

@@ -28,7 +28,9 @@ Timestamps (``time.time()``, wall clock, the same clock hotspare's events use) g
 ``--out`` as small JSON files, one per rank and attempt: ``a<attempt>-r<rank>-start.json``
 when the training loop is about to run its first step (process group built, workload built,
 checkpoint loaded), ``a0-r<rank>-kill.json`` just before the self-kill and
-``a<attempt>-r<rank>-end.json`` after the last step (with the final loss).
+``a<attempt>-r<rank>-end.json`` after the last step (with the final loss), and
+``a<attempt>-r<rank>-exit.json`` after ``destroy_process_group`` (the rest of a whole-command
+wall time is interpreter teardown and torchrun's own shutdown).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fail-step", type=int, default=-1, help="self-SIGKILL at the start of this step (-1: never)")
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (a bigger model)")
+    p.add_argument("--final-dir", help="after the last step (outside the timed span) save each rank's model "
+                   "state_dict to DIR/rank<r>.pt, to check the workload against hotspare's final state")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (hotspare's default: 1)")
     # examples/gpt.py build() arguments; defaults are gpt.py's
     p.add_argument("--n-layer", type=int, default=2)
@@ -208,7 +212,11 @@ def main(argv: list[str] | None = None) -> int:
             save(ckpt_dir, step, rank, model, opt, sched, data)
     record(out, f"a{attempt}-r{rank}-end.json", t=time.time(), steps=a.steps, start_step=start,
            final_loss=loss_v, pid=os.getpid())
+    if a.final_dir:
+        Path(a.final_dir).mkdir(parents=True, exist_ok=True)
+        torch.save(model.state_dict(), Path(a.final_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
+    record(out, f"a{attempt}-r{rank}-exit.json", t=time.time())
     return 0
 
 

@@ -199,8 +199,12 @@ class Session:
                     self.link.event("resumed", f"rank {self.rank} completed step {step}", epoch=self.epoch, rank=self.rank, step=step)
                 step += 1
             write_manifest(self.spec["output_dir"], self.job, self.world_size, total, self.epoch)
+            try:  # written before the done mark: once one rank is done, agents stop the rest
+                self.js.event("finished", f"rank{self.rank}", f"rank {self.rank} finished {total} steps",
+                              rank=self.rank, epoch=self.epoch)
+            except StoreError:
+                pass
             self.js.mark_done(self.rank, self.epoch, total)
-            self.link.event("finished", f"rank {self.rank} finished {total} steps", rank=self.rank, epoch=self.epoch)
         finally:
             self.link.stop()
             self.snapshots.close()

@@ -24,6 +24,7 @@ import json
 import logging
 import mmap
 import os
+import queue
 import struct
 import threading
 import time
@@ -151,8 +152,14 @@ class SnapshotEngine:
         self._slots: list[Slot | None] = [None] * n
         self._steps = [-2] * n  # complete step per slot (-2: none)
         self._seq = 0
-        self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._jobs: queue.Queue = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._layout_key: tuple = ()
+        self._layout_val: tuple[list[TensorInfo], list[dict]] = ([], [])
+        self._thread = threading.Thread(target=self._run, name=f"snapshot-rank{rank}", daemon=True)
+        self._thread.start()
         self.providers: list[tuple[str, Any]] = []
         self.last_capture_s = 0.0
         self.last_wait_s = 0.0
@@ -186,32 +193,69 @@ class SnapshotEngine:
             return
         t0 = time.monotonic()
         while self.replicated() < prev:
-            if time.monotonic() - t0 > self.replication_timeout:
+            if time.monotonic() - t0 > self.replication_timeout:  # noqa: SIM102
                 log.warning("point %d of rank %d not replicated after %.0fs; going on unprotected",
                             prev, self.rank, self.replication_timeout)
                 break
-            self._beat()
             time.sleep(0.005)
         self.replication_wait_s += time.monotonic() - t0
 
     # -- capture --------------------------------------------------------------------------
     def capture(self, step: int) -> None:
-        """Snapshot the providers as of the end of ``step`` (returns before the big copy)."""
+        """Snapshot the providers as of the end of ``step``.
+
+        On the training thread only the small, step-mutable state is taken (RNG, data
+        position, buffers, JSON; cloned). Everything else — walking the optimizer's state,
+        the layout, the header, waiting for the previous replication point, the big copy —
+        happens on the engine's own thread, before the next ``optimizer.step()``.
+        """
         t0 = time.perf_counter()
         self.wait()
         sync: dict[str, torch.Tensor] = {}
-        lazy: dict[str, torch.Tensor] = {}
         meta: dict[str, Any] = {}
         for name, p in self.providers:
-            ts = p.tensors()
-            (lazy if p.async_ok else sync).update({f"{name}/{k}": t for k, t in ts.items()})
+            if p.async_ok:
+                continue
+            for key, t in p.tensors().items():
+                sync[f"{name}/{key}"] = t.detach().clone()
             meta[name] = p.meta()
+        self._idle.clear()
+        self._jobs.put((step, sync, meta))
+        self.last_capture_s = time.perf_counter() - t0
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._write(*job)
+            except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+                self._error = e
+            finally:
+                self._idle.set()
+
+    def _layout(self, tensors: dict[str, torch.Tensor]) -> tuple[list[TensorInfo], list[dict]]:
+        key = tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
+        if key != self._layout_key:
+            infos = plan(tensors)
+            self._layout_key, self._layout_val = key, (infos, [i.__dict__ for i in infos])
+        return self._layout_val
+
+    def _write(self, step: int, sync: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        if _TEST_DELAY:
+            time.sleep(_TEST_DELAY)
+        lazy: dict[str, torch.Tensor] = {}
+        for name, p in self.providers:
+            if p.async_ok:
+                for key, t in p.tensors().items():
+                    lazy[f"{name}/{key}"] = t
+                meta[name] = p.meta()
         tensors = {**sync, **lazy}
-        infos = plan(tensors)
-        header = {"rank": self.rank, "step": step, "tensors": [i.__dict__ for i in infos],
-                  "meta": meta, "time": time.time()}
+        infos, table = self._layout(tensors)
         data_len = (infos[-1].offset + infos[-1].nbytes) if infos else 0
-        header["data_len"] = data_len
+        header = {"rank": self.rank, "step": step, "tensors": table, "meta": meta,
+                  "time": time.time(), "data_len": data_len}
         hb = json.dumps(header, separators=(",", ":")).encode()
         point = self.is_point(step)
         if point:
@@ -225,35 +269,18 @@ class SnapshotEngine:
             slot = self._slots[k] = Slot(self.path(k), max(65536, 2 * len(hb)), data_len)
         self._seq += 1
         seq = self._seq
-        slot.set_ctrl(WRITING, step, seq, len(hb))
         self._steps[k] = -2
+        slot.set_ctrl(WRITING, step, seq, len(hb))
         slot.mm[CTRL_SIZE : CTRL_SIZE + len(hb)] = hb
-        by_name = {i.name: i for i in infos}
-        for name, t in sync.items():
-            slot.view(by_name[name]).copy_(t)
-        jobs = [(slot.view(by_name[name]), t) for name, t in lazy.items()]
-        done_on_gpu = self._launch_device_copies(slot, jobs)
-
-        def finish() -> None:
-            try:
-                if _TEST_DELAY:
-                    time.sleep(_TEST_DELAY)
-                if done_on_gpu is not None:
-                    done_on_gpu.synchronize()  # device -> pinned host copies on the side stream
-                for dst, src in jobs:
-                    if not src.is_cuda:
-                        dst.copy_(src)
-                slot.set_ctrl(COMPLETE, step, seq, len(hb))
-                self._steps[k] = step
-            except BaseException as e:  # noqa: BLE001 - surfaced by wait()
-                self._error = e
-
-        if jobs:
-            self._thread = threading.Thread(target=finish, name=f"snapshot-{step}", daemon=True)
-            self._thread.start()
-        else:
-            finish()
-        self.last_capture_s = time.perf_counter() - t0
+        pairs = [(slot.view(info), tensors[info.name]) for info in infos]
+        done_on_gpu = self._launch_device_copies(slot, pairs)
+        for dst, src in pairs:
+            if not src.is_cuda:
+                dst.copy_(src)
+        if done_on_gpu is not None:
+            done_on_gpu.synchronize()  # device -> pinned host copies on the side stream
+        slot.set_ctrl(COMPLETE, step, seq, len(hb))
+        self._steps[k] = step
 
     def _launch_device_copies(self, slot: Slot, jobs: list) -> Any:
         """GPU tensors: copy into the (pinned) slot on a side stream, ordered after the work
@@ -268,7 +295,7 @@ class SnapshotEngine:
             self._pinned.add(slot.path)
         if self._stream is None:
             self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(torch.cuda.current_stream())
+        self._stream.wait_stream(torch.cuda.default_stream())
         with torch.cuda.stream(self._stream):
             for dst, src in cuda:
                 dst.copy_(src, non_blocking=True)
@@ -277,16 +304,15 @@ class SnapshotEngine:
         return ev
 
     def wait(self) -> None:
-        """Block until the copy in flight (if any) is complete."""
-        t = self._thread
-        if t is not None:
+        """Block until the snapshot in flight (if any) is complete."""
+        if not self._idle.is_set():
             t0 = time.perf_counter()
-            t.join()
+            while not self._idle.wait(0.5):
+                self._beat()  # still alive: waiting for replication or a big copy
             self.last_wait_s = time.perf_counter() - t0
-            self._thread = None
         if self._error is not None:
             e, self._error = self._error, None
-            raise RuntimeError(f"snapshot copy failed: {e}") from e
+            raise RuntimeError(f"snapshot failed: {e}") from e
 
     def _pick_slot(self, point: bool) -> int:
         # the oldest (or empty) slot of its kind; never the newest complete one
@@ -323,6 +349,7 @@ class SnapshotEngine:
 
     def close(self) -> None:
         self.wait()
+        self._jobs.put(None)
         for s in self._slots:
             if s is not None:
                 s.close()

@@ -115,3 +115,23 @@ def cluster(etcd, tmp_path):
     c = Cluster(etcd, tmp_path)
     yield c
     c.close()
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """The undisturbed GPT run's final state (etcd and controller of its own), shared by
+    every test that compares a disturbed run against it."""
+    from recovery import load_final
+
+    from .e2e.test_exact_recovery import run_ok
+
+    tmp = tmp_path_factory.mktemp("reference")
+    srv = start_etcd(tmp / "etcd")
+    c = Cluster(srv, tmp)
+    try:
+        c.controller()
+        run_ok(c, "ref")
+        yield load_final(tmp / "out" / "ref")
+    finally:
+        c.close()
+        srv.stop()

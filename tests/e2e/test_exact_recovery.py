@@ -21,6 +21,7 @@ STEPS = 60
 
 
 def gpt_spec(cluster, name: str, **fields):
+    """The demo workload, small: 3 ranks + 1 spare, STEPS steps."""
     base = {
         "name": name,
         "entrypoint": str(EXAMPLES / "gpt.py") + ":train",
@@ -40,25 +41,6 @@ def run_ok(cluster, name: str, **fields) -> dict:
     summary, r = cluster.run_json(str(gpt_spec(cluster, name, **fields)))
     assert summary["state"] == "succeeded", r.stdout + r.stderr[-3000:]
     return summary
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The undisturbed run's final state (one etcd and controller of its own)."""
-    from orchestrator.etcd_server import start_etcd
-
-    from ..conftest import Cluster
-
-    tmp = tmp_path_factory.mktemp("reference")
-    srv = start_etcd(tmp / "etcd")
-    c = Cluster(srv, tmp)
-    try:
-        c.controller()
-        run_ok(c, "ref")
-        yield load_final(tmp / "out" / "ref")
-    finally:
-        c.close()
-        srv.stop()
 
 
 def assert_identical(reference, output_dir) -> None:

@@ -316,25 +316,21 @@ def test_ring_keeps_newest_two_and_restores_an_older_step(tmp_path):
         eng.close()
 
 
-def test_capture_returns_before_the_lazy_copy_and_wait_completes_it(tmp_path, monkeypatch):
-    import recovery.snapshot as snapshot
-
+def test_capture_returns_before_the_lazy_copy_and_wait_completes_it(tmp_path):
     release = threading.Event()
 
-    class Held(threading.Thread):
-        def run(self):  # hold the background copy until the test has looked at the slot
+    class Held(_Scalar):
+        def tensors(self):  # runs on the engine's thread: hold it until the test looked
             release.wait(10)
-            super().run()
+            return super().tensors()
 
     eng = SnapshotEngine(tmp_path, rank=0)
-    prov = _Scalar()
+    prov = Held()
     eng.providers = [("s", prov)]
     try:
         prov.t.fill_(1.0)
-        monkeypatch.setattr(snapshot.threading, "Thread", Held)
-        eng.capture(0)
-        monkeypatch.undo()
-        assert slot_steps(tmp_path / "rank0.slot0") == (WRITING, 0)
+        eng.capture(0)  # returns although the big part has not even started
+        assert not release.is_set()
         assert read_slot(tmp_path / "rank0.slot0") is None
         release.set()
         eng.wait()
@@ -396,19 +392,19 @@ def test_new_point_waits_for_the_previous_one_to_be_replicated(tmp_path):
         observed = {}
 
         def agent():
-            time.sleep(0.2)
+            time.sleep(0.7)
             observed["returned_before_marker"] = returned.is_set()
             store.confirm(0, -1)
 
         t = threading.Thread(target=agent, daemon=True)
         t.start()
-        eng.capture(2)
+        eng.capture(2)  # returns at once: the replication wait runs on the engine's thread
+        eng.wait()  # ... and is felt only here, before the next optimizer step
         returned.set()
         t.join(10)
         assert observed == {"returned_before_marker": False}
         assert eng.replicated() == -1
         assert beats, "the engine should keep beating while it waits"
-        eng.wait()
         assert "rank0.point1" in _where(tmp_path, 2)
     finally:
         eng.close()
