@@ -157,7 +157,8 @@ class SnapshotEngine:
         self._idle = threading.Event()
         self._idle.set()
         self._layout_key: tuple = ()
-        self._layout_val: tuple[list[TensorInfo], list[dict]] = ([], [])
+        self._layout_val: tuple[list[TensorInfo], str] = ([], "[]")
+        self._views: dict[int, list[torch.Tensor]] = {}  # slot -> views for the layout
         self._thread = threading.Thread(target=self._run, name=f"snapshot-rank{rank}", daemon=True)
         self._thread.start()
         self.providers: list[tuple[str, Any]] = []
@@ -216,8 +217,9 @@ class SnapshotEngine:
         for name, p in self.providers:
             if p.async_ok:
                 continue
-            for key, t in p.tensors().items():
-                sync[f"{name}/{key}"] = t.detach().clone()
+            with torch.no_grad():
+                for key, t in p.tensors().items():
+                    sync[f"{name}/{key}"] = t.detach().clone()
             meta[name] = p.meta()
         self._idle.clear()
         self._jobs.put((step, sync, meta))
@@ -235,13 +237,16 @@ class SnapshotEngine:
             finally:
                 self._idle.set()
 
-    def _layout(self, tensors: dict[str, torch.Tensor]) -> tuple[list[TensorInfo], list[dict]]:
+    def _layout(self, tensors: dict[str, torch.Tensor]) -> tuple[list[TensorInfo], str]:
         key = tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
         if key != self._layout_key:
             infos = plan(tensors)
-            self._layout_key, self._layout_val = key, (infos, [i.__dict__ for i in infos])
+            table = json.dumps([i.__dict__ for i in infos], separators=(",", ":"))
+            self._layout_key, self._layout_val = key, (infos, table)
+            self._views.clear()
         return self._layout_val
 
+    @torch.no_grad()
     def _write(self, step: int, sync: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         if _TEST_DELAY:
             time.sleep(_TEST_DELAY)
@@ -254,9 +259,9 @@ class SnapshotEngine:
         tensors = {**sync, **lazy}
         infos, table = self._layout(tensors)
         data_len = (infos[-1].offset + infos[-1].nbytes) if infos else 0
-        header = {"rank": self.rank, "step": step, "tensors": table, "meta": meta,
-                  "time": time.time(), "data_len": data_len}
-        hb = json.dumps(header, separators=(",", ":")).encode()
+        head = json.dumps({"rank": self.rank, "step": step, "time": time.time(), "data_len": data_len,
+                           "meta": meta}, separators=(",", ":"))
+        hb = (head[:-1] + ',"tensors":' + table + "}").encode()
         point = self.is_point(step)
         if point:
             self._await_replication()
@@ -267,12 +272,16 @@ class SnapshotEngine:
             if slot is not None:
                 slot.close()
             slot = self._slots[k] = Slot(self.path(k), max(65536, 2 * len(hb)), data_len)
+            self._views.pop(k, None)
         self._seq += 1
         seq = self._seq
         self._steps[k] = -2
         slot.set_ctrl(WRITING, step, seq, len(hb))
         slot.mm[CTRL_SIZE : CTRL_SIZE + len(hb)] = hb
-        pairs = [(slot.view(info), tensors[info.name]) for info in infos]
+        views = self._views.get(k)
+        if views is None:
+            views = self._views[k] = [slot.view(info) for info in infos]
+        pairs = list(zip(views, tensors.values(), strict=True))
         done_on_gpu = self._launch_device_copies(slot, pairs)
         for dst, src in pairs:
             if not src.is_cuda:

@@ -82,6 +82,11 @@ def _name(k: Any) -> str:
     return f"#{type(k).__name__}:{k}"
 
 
+def _unname(seg: str) -> str:
+    s = "#" + seg[2:] if seg.startswith("~2") else seg
+    return s.replace("~1", ".").replace("~0", "~")
+
+
 def _key(k: Any) -> Any:
     if isinstance(k, (int, str, float, bool)) or k is None:
         return k
@@ -121,8 +126,11 @@ class ModuleState:
 
     def _live(self) -> dict[str, torch.Tensor]:
         if self.params:
-            return {k: p.detach() for k, p in self.module.named_parameters()}
-        return {k: b.detach() for k, b in self.module.named_buffers()}
+            key = tuple(id(p) for p in self.module.parameters())
+            if key != getattr(self, "_key", None):
+                self._key, self._cache = key, {k: p for k, p in self.module.named_parameters()}
+            return self._cache
+        return dict(self.module.named_buffers())  # walked every time: a buffer may be replaced
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return self._live()
@@ -164,6 +172,61 @@ class StatefulState:
         self.obj.load_state_dict(join_state(tensors, meta, clone=True))
 
 
+class OptimizerState:
+    """A ``torch.optim.Optimizer``'s per-parameter state (tensors, async) and param groups
+    (JSON). Walks ``optimizer.state`` directly instead of ``state_dict()``: this runs every
+    step, and ``state_dict()`` rebuilds and deep-copies far more than a snapshot needs."""
+
+    async_ok = True
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.opt.param_groups for p in g["params"]]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        # the same tensor objects are updated in place step after step: rebuild the name
+        # map only when the set of state tensors changed
+        key = tuple(id(v) for st in self.opt.state.values() for v in st.values())
+        if key == getattr(self, "_key", None):
+            return self._cache
+        out: dict[str, torch.Tensor] = {}
+        for i, p in enumerate(self._params()):
+            st = self.opt.state.get(p)
+            if st:
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor):
+                        out[f"state.#{i}.{_name(k)}"] = v
+        self._key, self._cache = key, out
+        return out
+
+    def meta(self) -> Any:
+        groups = [{k: v for k, v in g.items() if k != "params"} | {"n": len(g["params"])}
+                  for g in self.opt.param_groups]
+        scalars = {}
+        for i, p in enumerate(self._params()):
+            st = self.opt.state.get(p)
+            if st:
+                scalars[str(i)] = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
+        return split_state({"groups": groups, "scalars": scalars})[1]
+
+    def load(self, tensors: Mapping[str, torch.Tensor], meta: Any) -> None:
+        m = join_state({}, meta)
+        state: dict[int, dict] = {}
+        for name, t in tensors.items():
+            _, idx, key = name.split(".", 2)
+            state.setdefault(int(idx[1:]), {})[_unname(key)] = t.clone()
+        for idx, sc in m["scalars"].items():
+            state.setdefault(int(idx), {}).update(sc)
+        groups, start = [], 0
+        for g in m["groups"]:
+            n = g.pop("n")
+            groups.append({**g, "params": list(range(start, start + n))})
+            start += n
+        self.opt.load_state_dict({"state": state, "param_groups": groups})
+
+
 class RNGState:
     """torch (CPU and CUDA), numpy and Python ``random`` generator states."""
 
@@ -177,11 +240,13 @@ class RNGState:
         name, keys, pos, has_gauss, cached = np.random.get_state()
         out["numpy"] = torch.from_numpy(keys.astype(np.uint32).view(np.int32).copy())
         self._np = [name, int(pos), int(has_gauss), float(cached)]
+        version, state, gauss = random.getstate()
+        out["python"] = torch.from_numpy(np.fromiter(state, dtype=np.int64, count=len(state)))
+        self._py = [version, gauss]
         return out
 
     def meta(self) -> Any:
-        version, state, gauss = random.getstate()
-        return {"numpy": self._np, "python": [version, list(state), gauss]}
+        return {"numpy": self._np, "python": self._py}
 
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Any) -> None:
         torch.set_rng_state(tensors["torch"].clone())
@@ -191,8 +256,8 @@ class RNGState:
         name, pos, has_gauss, cached = meta["numpy"]
         keys = tensors["numpy"].numpy().view(np.uint32).copy()
         np.random.set_state((name, keys, pos, has_gauss, cached))
-        version, state, gauss = meta["python"]
-        random.setstate((version, tuple(state), gauss))
+        version, gauss = meta["python"]
+        random.setstate((version, tuple(int(x) for x in tensors["python"].tolist()), gauss))
 
 
 class ValueState:
@@ -230,7 +295,7 @@ def provider_for(name: str, obj: Any) -> list[tuple[str, Any]]:
     if isinstance(obj, torch.nn.Module):
         return [(f"{name}.params", ModuleState(obj, True)), (f"{name}.buffers", ModuleState(obj, False))]
     if isinstance(obj, torch.optim.Optimizer):
-        return [(name, StatefulState(obj, async_ok=True))]
+        return [(name, OptimizerState(obj))]
     if hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
         return [(name, StatefulState(obj))]
     if isinstance(obj, dict):

@@ -22,8 +22,8 @@ from recovery.slotfile import COMPLETE, CTRL_SIZE, WRITING, read_slot, slot_step
 from recovery.snapshot import Slot, SnapshotEngine
 from recovery.state import (
     ModuleState,
+    OptimizerState,
     RNGState,
-    StatefulState,
     ValueState,
     join_state,
     provider_for,
@@ -196,7 +196,7 @@ def test_optimizer_state_restores_through_a_slot_without_aliasing_it(tmp_path):
     eng = SnapshotEngine(tmp_path, rank=0)
     try:
         eng.providers = provider_for("model", model) + provider_for("opt", opt)
-        assert isinstance(eng.providers[-1][1], StatefulState) and eng.providers[-1][1].async_ok
+        assert isinstance(eng.providers[-1][1], OptimizerState) and eng.providers[-1][1].async_ok
         eng.capture(3)
         eng.wait()
         expected = _opt_state(opt)
