@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
@@ -72,31 +71,33 @@ def test_hung_worker_is_killed_by_the_watchdog_and_swapped(cluster):
     assert len(pids[1]) == 1 and len(pids[2]) == 1
 
 
-def test_cli_chaos_kill_rank_is_delivered_through_etcd(cluster):
+def test_cli_random_chaos_injects_seeded_failures_through_etcd(cluster):
     cluster.controller()
     spec = cluster.spec_file(name="clichaos", steps=400)
     cluster.hotspare("submit", str(spec), check=True)
     js = cluster.job("clichaos")
     cluster.wait(lambda: any(p.step >= 20 for p in js.snapshot().progress.values()), what="step 20")
-    r = cluster.hotspare("chaos", "clichaos", "--action", "kill-rank", "--rank", "2", check=True)
-    assert "node2" in r.stdout
+    r = cluster.hotspare("chaos", "clichaos", "--mtbf", "0.5", "--seed", "7", "--kinds", "kill-rank",
+                         "--count", "1", check=True)
+    assert "[1] kill-rank sent to" in r.stdout
     cluster.wait(lambda: js.snapshot().state.terminal, timeout=180, what="job end")
     snap = js.snapshot()
     assert snap.state.value == "succeeded", snap.state_message
-    assert snap.epoch == 2 and snap.world.seats[2].node == "spare0"
+    assert snap.epoch == 2
+    injected = [e for e in js.events() if e.kind == "chaos"]
+    assert len(injected) == 1 and injected[0].data["action"] == "kill-rank"
+    assert snap.world.seats[injected[0].data["rank"]].node == "spare0"
 
 
 def test_standby_controller_finishes_the_job_when_the_leader_is_killed(cluster):
-    first = cluster.controller(ttl=2)
-    time.sleep(1.0)  # let the first one lead
-    cluster.controller(ttl=2)
+    controllers = [cluster.controller(ttl=2), cluster.controller(ttl=2)]
     spec = cluster.spec_file(name="leader", steps=300,
                              chaos=[{"at_step": 200, "action": "kill-rank", "rank": 1}])
     cluster.hotspare("submit", str(spec), check=True)
     js = cluster.job("leader")
     cluster.wait(lambda: js.snapshot().leader is not None, what="a leader")
     leader = js.snapshot().leader
-    assert leader.endswith(f":{first.pid}")
+    [first] = [p for p in controllers if leader.endswith(f":{p.pid}")]
     cluster.wait(lambda: any(p.step >= 30 for p in js.snapshot().progress.values()), what="step 30")
     os.killpg(first.pid, signal.SIGKILL)
     cluster.wait(lambda: js.snapshot().state.terminal, timeout=180, what="job end")
