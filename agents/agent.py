@@ -241,7 +241,7 @@ class Agent:
                 now = time.monotonic()
                 if woke or now - last_read > 1.0:
                     last_read = now
-                    snap = self.js.snapshot()
+                    snap = self.js.snapshot(progress=False)
                     if snap.state.terminal:
                         log.info("job %s is %s; agent exiting", self.job, snap.state.value)
                         return 0

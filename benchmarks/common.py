@@ -128,6 +128,12 @@ class BenchCluster:
 
     def run_job(self, spec: dict[str, Any], timeout: float = 600) -> tuple[dict[str, Any] | None, str]:
         """Submit ``spec`` (a dict, ``name`` required), wait for it; (JSON summary or None, log tail)."""
+        r = self.run_timed(spec, timeout, with_events=False)
+        return r["summary"], r["log_tail"]
+
+    def run_timed(self, spec: dict[str, Any], timeout: float = 600, with_events: bool = True) -> dict[str, Any]:
+        """Run ``spec`` with ``hotspare run --json``: its summary, the command's wall time,
+        the job's events (if asked) and the log tail."""
         import yaml
 
         name = spec["name"]
@@ -138,6 +144,8 @@ class BenchCluster:
         path = self.tmp / f"{name}.yaml"
         path.write_text(yaml.safe_dump(spec))
         self.jobs.append(name)
+        t0 = time.monotonic()
+        events: list = []
         try:
             r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", str(path), "--json",
                                 "--timeout", str(int(timeout))],
@@ -146,11 +154,15 @@ class BenchCluster:
         except subprocess.TimeoutExpired as e:
             out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        wall = time.monotonic() - t0
+        try:
+            if with_events:
+                events = (self.events(name) or {}).get("events", [])
         finally:
             self._reap_job(name)
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-        summary = json.loads(lines[-1]) if lines else None
-        return summary, (out + "\n" + err)[-3000:]
+        return {"summary": json.loads(lines[-1]) if lines else None, "wall_s": wall, "events": events,
+                "log_tail": (out + "\n" + err)[-3000:]}
 
     def events(self, name: str) -> dict[str, Any] | None:
         """``hotspare events NAME --json`` (every event and the recovery breakdowns), or None."""

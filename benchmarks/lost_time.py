@@ -186,39 +186,7 @@ def gpt_args(a: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- hotspare ----------------------------------------------------------------------------------
-class LostTimeCluster(BenchCluster):
-    def run_timed(self, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Run ``spec`` with ``hotspare run --json``; its summary, the command's wall time and
-        the job's events."""
-        import yaml
-
-        name = spec["name"]
-        if self.controller.poll() is not None:
-            raise RuntimeError(f"the controller exited with {self.controller.returncode}; see {self.tmp}/controller.log")
-        spec = dict(spec, output_dir=str(self.output_dir(name)))
-        path = self.tmp / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(spec))
-        self.jobs.append(name)
-        t0 = time.monotonic()
-        try:
-            r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", str(path), "--json",
-                                "--timeout", str(int(timeout))],
-                               env=self.env, capture_output=True, text=True, timeout=timeout + 60, cwd=self.tmp)
-            out, err = r.stdout, r.stderr
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        wall = time.monotonic() - t0
-        try:
-            ev = subprocess.run([sys.executable, "-m", "orchestrator.cli", "events", name, "--json"],
-                                env=self.env, capture_output=True, text=True, timeout=120, cwd=self.tmp)
-            lines = [ln for ln in ev.stdout.splitlines() if ln.startswith("{")]
-            events = json.loads(lines[-1])["events"] if lines else []
-        finally:
-            self._reap_job(name)
-        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-        return {"summary": json.loads(lines[-1]) if lines else None, "wall_s": wall, "events": events,
-                "log_tail": (out + "\n" + err)[-3000:]}
+LostTimeCluster = BenchCluster  # run_timed: summary, wall time and events of one job
 
 
 def hotspare_spec(a: argparse.Namespace, name: str, fail: bool) -> dict[str, Any]:

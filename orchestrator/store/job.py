@@ -12,14 +12,15 @@ Layout (see docs/architecture.md):
     /hotspare/<job>/nodes/<node>       live agent, under its lease          agent
     /hotspare/<job>/reports/<node>/<r> a worker is gone                     agent
     /hotspare/<job>/done/<rank>        rank finished all steps              worker
-    /hotspare/<job>/progress/<rank>    last step, every few seconds         worker
     /hotspare/<job>/chaos/<node>/<id>  failure to inject                    CLI / worker
     /hotspare/<job>/fired/<n>          scheduled chaos entry n already fired worker
     /hotspare-events/<job>/<t>-<id>    the timeline                         everyone
+    /hotspare-progress/<job>/<rank>    last step, every second               worker
     /hotspare-rdzv/<job>/...           process-group rendezvous keys        workers
 
-Events and rendezvous keys live outside the job prefix so a snapshot read of the control
-state stays small however long the job runs.
+Events, progress and rendezvous keys live outside the job prefix: a snapshot read of the
+control state stays small however long the job runs, and the agents' and controller's
+watches on the job prefix are not woken by every rank's progress report.
 """
 
 from __future__ import annotations
@@ -59,7 +60,11 @@ class JobKeys:
         return f"{self.prefix}done/{rank}"
 
     def progress(self, rank: int) -> str:
-        return f"{self.prefix}progress/{rank}"
+        return f"{self.progress_prefix}{rank}"
+
+    @property
+    def progress_prefix(self) -> str:
+        return f"/hotspare-progress/{self.job}/"
 
     def chaos(self, node: str, cid: str) -> str:
         return f"{self.prefix}chaos/{node}/{cid}"
@@ -107,6 +112,10 @@ def parse_snapshot(job: str, kvs: list[KV], revision: int) -> JobSnapshot:
     worlds: dict[int, World] = {}
     p = keys.prefix
     for kv in kvs:
+        if kv.key.startswith(keys.progress_prefix):
+            pr = Progress.from_json(kv.value)
+            snap.progress[pr.rank] = pr
+            continue
         rel = kv.key[len(p):]
         head, _, rest = rel.partition("/")
         if rel == "spec":
@@ -133,9 +142,6 @@ def parse_snapshot(job: str, kvs: list[KV], revision: int) -> JobSnapshot:
             snap.reports.append(Report.from_json(kv.value))
         elif head == "done":
             snap.done[int(rest)] = json.loads(kv.value)
-        elif head == "progress":
-            pr = Progress.from_json(kv.value)
-            snap.progress[pr.rank] = pr
         elif head == "chaos":
             node, _, cid = rest.partition("/")
             snap.chaos.setdefault(node, []).append(cid)
@@ -151,8 +157,12 @@ class JobStore:
         self.job = job
         self.keys = JobKeys(job)
 
-    def snapshot(self) -> JobSnapshot:
+    def snapshot(self, progress: bool = True) -> JobSnapshot:
+        """The control state at one revision, plus (unless asked not to) the ranks' latest
+        progress records, read right after it."""
         kvs, rev = self.store.get_prefix(self.keys.prefix)
+        if progress:
+            kvs += self.store.get_prefix(self.keys.progress_prefix)[0]
         return parse_snapshot(self.job, kvs, rev)
 
     def exists(self) -> bool:
@@ -191,6 +201,7 @@ class JobStore:
             raise Conflict(f"job {self.job!r} exists and is {state.value}")
         if state is not None:  # a finished job of the same name: its records are replaced
             self.store.delete_prefix(self.keys.prefix)
+            self.store.delete_prefix(self.keys.progress_prefix)
             self.store.delete_prefix(self.keys.events_prefix)
             self.store.delete_prefix(self.keys.rdzv_prefix)
         ok = self.store.txn(
