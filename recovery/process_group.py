@@ -147,18 +147,21 @@ class ReconfigurableProcessGroup:
             return False
         return True
 
-    def allreduce_(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> bool:
+    def allreduce_(
+        self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, stage: bool = True
+    ) -> bool:
         """In-place allreduce that never blocks past a failure. True if it completed.
 
-        The collective runs on a private staging copy: if it is abandoned, gloo may keep
-        writing into the staging buffer, never into the caller's tensor.
+        By default the collective runs on a private staging copy: if it is abandoned, gloo
+        may keep writing into the staging buffer, never into the caller's tensor. A caller
+        that owns a scratch buffer and drops it after a failure passes ``stage=False``.
         """
-        stage = tensor.detach().clone()
+        buf = tensor.detach().clone() if stage else tensor
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        ok = self._run("allreduce", lambda pg: pg.allreduce([stage], opts), stage)
-        if ok:
-            tensor.copy_(stage)
+        ok = self._run("allreduce", lambda pg: pg.allreduce([buf], opts), buf)
+        if ok and stage:
+            tensor.copy_(buf)
         return ok
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> bool:

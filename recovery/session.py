@@ -146,7 +146,7 @@ class Session:
         if buf is None or buf.numel() != n or buf.dtype != grads[0].dtype:
             buf = self._grad_buf = torch.empty(n, dtype=grads[0].dtype, device=grads[0].device)
         torch.cat([g.reshape(-1) for g in grads], out=buf)
-        if not self._pg.allreduce_(buf):
+        if not self._pg.allreduce_(buf, stage=False):
             self._grad_buf = None  # gloo may still write into it: never reuse
             return False
         buf.div_(self.world_size)

@@ -30,8 +30,19 @@ def _dump(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
+class _Record:
+    """JSON in and out for the flat record dataclasses below."""
+
+    def to_json(self) -> bytes:
+        return _dump(asdict(self))  # type: ignore[call-overload]
+
+    @classmethod
+    def from_json(cls, raw: bytes):  # noqa: ANN206 - returns cls
+        return cls(**json.loads(raw))
+
+
 @dataclass(frozen=True)
-class Node:
+class Node(_Record):
     """A live agent. Exists only while the agent's lease is alive."""
 
     name: str
@@ -42,13 +53,6 @@ class Node:
     replica_port: int = 0
     pid: int = 0
     warm: int = 0  # warm workers ready for an assignment right now
-
-    def to_json(self) -> bytes:
-        return _dump(asdict(self))
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> Node:
-        return cls(**json.loads(raw))
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,7 @@ class World:
 
 
 @dataclass(frozen=True)
-class Report:
+class Report(_Record):
     """An agent's fast report that a worker holding ``rank`` is gone."""
 
     node: str
@@ -117,16 +121,9 @@ class Report:
     time: float = 0.0
     message: str = ""
 
-    def to_json(self) -> bytes:
-        return _dump(asdict(self))
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> Report:
-        return cls(**json.loads(raw))
-
 
 @dataclass(frozen=True)
-class Progress:
+class Progress(_Record):
     """Last completed step of a rank, published every few seconds off the step path."""
 
     rank: int
@@ -138,16 +135,9 @@ class Progress:
     compute_time: float = 0.0  # seconds per step outside collectives (EWMA): straggler score
     metrics: dict[str, float] = field(default_factory=dict)
 
-    def to_json(self) -> bytes:
-        return _dump(asdict(self))
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> Progress:
-        return cls(**json.loads(raw))
-
 
 @dataclass(frozen=True)
-class Event:
+class Event(_Record):
     """One line of a job's timeline."""
 
     time: float
@@ -155,10 +145,3 @@ class Event:
     source: str
     message: str = ""
     data: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> bytes:
-        return _dump(asdict(self))
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> Event:
-        return cls(**json.loads(raw))
