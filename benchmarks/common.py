@@ -4,6 +4,7 @@ which the benchmarks deliberately do not import)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -21,6 +22,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 OUT = REPO / "benchmarks" / "out"
+
+
+def base_parser(doc: str, json_name: str, trials_help: str) -> argparse.ArgumentParser:
+    """The flags every benchmark shares: --trials N and --json PATH."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--trials", type=int, default=5, help=trials_help)
+    p.add_argument("--json", default=str(OUT / json_name), help="where to write the results")
+    return p
 
 if str(REPO) not in sys.path:  # `python benchmarks/x.py` from anywhere: import the project
     sys.path.insert(0, str(REPO))

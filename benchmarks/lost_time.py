@@ -85,9 +85,9 @@ from typing import Any
 
 from common import (
     EXAMPLES,
-    OUT,
     REPO,
     BenchCluster,
+    base_parser,
     fmt,
     machine_info,
     summarize,
@@ -142,10 +142,7 @@ def warmup(step_sleep: float = 0.0, **args: Any) -> None:
 
 # -- arguments ---------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--trials", type=int, default=5, help="trials (each: all five runs)")
-    p.add_argument("--json", default=str(OUT / "lost_time.json"), help="where to write the results")
+    p = base_parser(__doc__, "lost_time.json", "trials (each: all five runs)")
     p.add_argument("--ranks", type=int, default=4, help="training ranks (hotspare: one per node, plus one spare)")
     p.add_argument("--steps", type=int, default=300, help="training steps per run")
     p.add_argument("--fail-step", type=int, default=150, help="the failed rank dies at the start of this step")

@@ -34,17 +34,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import OUT, fmt, machine_info, shm_base, table, write_json
+from common import base_parser, fmt, machine_info, shm_base, table, write_json
 
 AIM_RATIO = 1.03
 AIM_STALL = 0.05
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--trials", type=int, default=5, help="paired on/off trials")
-    p.add_argument("--json", default=str(OUT / "overhead.json"), help="where to write the results")
+    p = base_parser(__doc__, "overhead.json", "paired on/off trials")
     p.add_argument("--steps", type=int, default=200, help="timed steps per mode per trial")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps before each timed run")
     p.add_argument("--replication", choices=["process", "none"], default="process",

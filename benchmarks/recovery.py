@@ -26,7 +26,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import EXAMPLES, OUT, BenchCluster, fmt, machine_info, summarize, table, write_json
+from common import (
+    EXAMPLES,
+    BenchCluster,
+    base_parser,
+    fmt,
+    machine_info,
+    summarize,
+    table,
+    write_json,
+)
 
 PHASES = ("detect_s", "decide_s", "rebuild_s", "restore_s", "total_s")
 SCENARIOS = {
@@ -39,10 +48,7 @@ AIM_NODE_LOSS_EXTRA_S = 1.0  # node loss: lease TTL + this
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--trials", type=int, default=5, help="jobs per scenario")
-    p.add_argument("--json", default=str(OUT / "recovery.json"), help="where to write the results")
+    p = base_parser(__doc__, "recovery.json", "jobs per scenario")
     p.add_argument("--ranks", type=int, default=4, help="training ranks (one per node); plus one spare node")
     p.add_argument("--steps", type=int, default=150, help="training steps per job")
     p.add_argument("--kill-at", type=int, default=None,

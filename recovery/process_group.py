@@ -183,12 +183,3 @@ class ReconfigurableProcessGroup:
             raise EpochSuperseded("process group not configured")
         return self._pg
 
-
-def wait_for(pred: Callable[[], bool], timeout: float, beat: Callable[[], None]) -> bool:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        beat()
-        time.sleep(0.01)
-    return True

@@ -103,7 +103,6 @@ class JobSnapshot:
     done: dict[int, dict] = field(default_factory=dict)
     progress: dict[int, Progress] = field(default_factory=dict)
     chaos: dict[str, list[str]] = field(default_factory=dict)
-    created: float = 0.0
 
 
 def parse_snapshot(job: str, kvs: list[KV], revision: int) -> JobSnapshot:
@@ -120,7 +119,6 @@ def parse_snapshot(job: str, kvs: list[KV], revision: int) -> JobSnapshot:
         head, _, rest = rel.partition("/")
         if rel == "spec":
             snap.spec = json.loads(kv.value)
-            snap.created = 0.0
         elif rel == "state":
             d = json.loads(kv.value)
             snap.state = JobState(d["state"])
