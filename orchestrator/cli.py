@@ -63,10 +63,36 @@ def _store(endpoints: list[str]):
     return st
 
 
+def _launched(args: argparse.Namespace, job: str | None) -> dict | None:
+    """What `hotspare submit` recorded about a job it sent to a scheduler (None: local/unknown)."""
+    from .launchers import load_record
+
+    if not job or getattr(args, "etcd", None) or os.environ.get("HOTSPARE_ETCD"):
+        return None
+    rec = load_record(_state_dir(args), job)
+    return rec if rec and rec.get("backend") != "local" else None
+
+
+def _job_endpoints(args: argparse.Namespace, job: str | None) -> list[str]:
+    """Endpoints for a command about one job: flags/env, then the job's launch record, then
+    the embedded cluster."""
+    from .launchers import get, record_endpoints
+
+    rec = _launched(args, job)
+    if rec is None:
+        return _endpoints(args)
+    eps = record_endpoints(rec)
+    if eps:
+        return eps
+    where = get(rec["backend"]).describe(rec["info"]) or "no scheduler state"
+    raise CliError(f"job {job!r} was submitted to {rec['backend']} and its etcd is not up yet "
+                   f"({where}); try again in a moment")
+
+
 def _jobstore(args: argparse.Namespace):
     from .store import JobStore
 
-    js = JobStore(_store(_endpoints(args)), args.job)
+    js = JobStore(_store(_job_endpoints(args, args.job)), args.job)
     if not js.exists():
         raise CliError(f"no job named {args.job!r} in this etcd (see `hotspare status` for jobs)")
     return js
@@ -98,33 +124,98 @@ def _load(args: argparse.Namespace):
     return spec, d
 
 
-def _submit(args: argparse.Namespace) -> tuple[object, dict, list[str]]:
+def _explicit_endpoints(args: argparse.Namespace, spec) -> bool:
+    return bool(getattr(args, "etcd", None) or os.environ.get("HOTSPARE_ETCD") or spec.etcd.endpoints)
+
+
+def _launcher(backend: str):
     from .launchers import get
+
+    try:
+        return get(backend)
+    except ImportError as e:
+        raise CliError(f"backend {backend!r} needs a package that is not installed: {e} "
+                       f"(pip install 'hotspare[{backend}]')") from e
+
+
+def _submit(args: argparse.Namespace):
+    """Register the job in etcd (unless the backend brings its own etcd) and launch it.
+    Returns (JobStore or None, resolved spec dict, endpoints, launch info)."""
+    from .launchers import LaunchError, save_record
     from .store import Conflict, JobStore
 
     spec, d = _load(args)
     os.environ["HOTSPARE_STATE_DIR"] = str(_state_dir(args))  # agents and workers inherit it
-    eps = _endpoints(args, spec.etcd.endpoints, start=True)
-    js = JobStore(_store(eps), spec.name)
-    try:
-        js.submit(d, secrets.token_bytes(32))
-    except Conflict as e:
-        raise CliError(f"{e}; cancel it first (`hotspare cancel {spec.name}`) or pick another name") from e
+    launcher = _launcher(spec.backend)
+    js = None
+    if spec.backend == "local" or _explicit_endpoints(args, spec) or not launcher.brings_etcd:
+        eps = _endpoints(args, spec.etcd.endpoints, start=True)
+        js = JobStore(_store(eps), spec.name)
+        try:
+            js.submit(d, secrets.token_bytes(32))
+        except Conflict as e:
+            raise CliError(f"{e}; cancel it first (`hotspare cancel {spec.name}`) or pick another name") from e
+    else:
+        eps = []  # the backend starts etcd and registers the job from inside the cluster
     Path(d["output_dir"]).mkdir(parents=True, exist_ok=True)
-    info = get(spec.backend).launch(d, eps)
-    js.event("submitted", "cli", f"job {spec.name}: {spec.ranks} ranks + {spec.spares} spare node(s), {spec.steps} steps")
+    try:
+        info = launcher.launch(d, eps)
+    except LaunchError as e:
+        if js is not None:
+            js.request_cancel()
+        raise CliError(f"{spec.backend}: {e}") from e
+    save_record(_state_dir(args), spec.name, {"backend": spec.backend, "endpoints": eps, "info": info,
+                                               "output_dir": d["output_dir"], "time": time.time()})
+    if js is not None:
+        js.event("submitted", "cli", f"job {spec.name}: {spec.ranks} ranks + {spec.spares} spare node(s), "
+                 f"{spec.steps} steps on {spec.backend}")
     return js, d, eps, info
+
+
+def _wait_for_etcd(args: argparse.Namespace, d: dict, out, timeout: float | None):
+    """A backend that brings its own etcd: wait (with progress) until the job is registered."""
+    from .launchers import load_record, record_endpoints
+    from .store import JobStore, StoreError
+
+    rec = load_record(_state_dir(args), d["name"])
+    launcher = _launcher(d["backend"])
+    start, last = time.monotonic(), ""
+    while True:
+        eps = record_endpoints(rec)
+        if eps:
+            try:
+                js = JobStore(_store(eps), d["name"])
+                if js.exists():
+                    return js, eps
+            except (CliError, StoreError):
+                pass
+        what = launcher.describe(rec["info"]) or "starting"
+        if what != last:
+            print(f"waiting for the job's etcd: {what}", file=out, flush=True)
+            last = what
+        if launcher.ended(rec["info"]):
+            raise CliError(f"the {d['backend']} job ended before its etcd came up ({what}); "
+                           f"see {d['output_dir']}/logs")
+        if timeout and time.monotonic() - start > timeout:
+            raise CliError(f"job {d['name']}'s etcd did not come up within --timeout {timeout:.0f}s ({what})")
+        time.sleep(1.0)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
     if args.dry_run:
-        _, d = _load(args)
-        print(json.dumps(d, indent=2))
+        spec, d = _load(args)
+        eps = list(spec.etcd.endpoints) if _explicit_endpoints(args, spec) else []
+        if getattr(args, "etcd", None) or os.environ.get("HOTSPARE_ETCD"):
+            eps = _endpoints(args)
+        print(f"# resolved spec\n{json.dumps(d, indent=2)}\n")
+        print(f"# what `hotspare submit` would do ({spec.backend} backend)")
+        print(_launcher(spec.backend).render(d, eps))
         return 0
     js, d, eps, info = _submit(args)
-    print(f"submitted {d['name']} to etcd {','.join(eps)}; {len(info.get('agents', {}))} agents; "
+    where = f"etcd {','.join(eps)}" if eps else f"{d['backend']} (etcd starts inside the job)"
+    print(f"submitted {d['name']} to {where}; {info.get('summary') or str(len(info.get('agents', {}))) + ' agents'}; "
           f"logs in {info.get('log_dir')}")
-    print(f"watch it: hotspare status {d['name']}   hotspare events {d['name']}")
+    print(f"watch it: hotspare status {d['name']}   hotspare events {d['name']}   hotspare logs {d['name']}")
     return 0
 
 
@@ -133,10 +224,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     js, d, eps, info = _submit(args)
     out = sys.stderr if args.json else sys.stdout
-    print(f"running {d['name']}: {d['ranks']} ranks + {d['spares']} spare node(s), {d['steps']} steps; "
-          f"logs in {info.get('log_dir')}", file=out)
+    print(f"running {d['name']} on {d['backend']}: {d['ranks']} ranks + {d['spares']} spare node(s), "
+          f"{d['steps']} steps; logs in {info.get('log_dir')}", file=out)
+    if js is None:
+        js, eps = _wait_for_etcd(args, d, out, args.timeout)
     embedded_dir = None
-    if not (args.etcd or os.environ.get("HOTSPARE_ETCD") or d["etcd"].get("endpoints")):
+    if d["backend"] == "local" and not (args.etcd or os.environ.get("HOTSPARE_ETCD") or d["etcd"].get("endpoints")):
         embedded_dir = _state_dir(args)
     state = _watch(js, d, out, timeout=args.timeout, embedded_dir=embedded_dir)
     events = js.events()
@@ -216,7 +309,21 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     from .decide import straggler_scores
 
-    js = _jobstore(args)
+    rec = _launched(args, args.job)
+    sched = _launcher(rec["backend"]).describe(rec["info"]) if rec else None
+    try:
+        js = _jobstore(args)
+    except CliError as e:
+        final = Path(rec["output_dir"]) / "final-status.json" if rec else None
+        if final is None or not final.exists():
+            raise CliError(f"{e}" + (f"; {rec['backend']}: {sched}" if sched else "")) from e
+        # the job's own etcd is gone with its allocation: show what it left behind
+        data = json.loads(final.read_text())
+        data["scheduler"] = sched
+        print(json.dumps(data) if args.json else
+              f"job {args.job}: {data.get('state')} (from {final}; its etcd is gone)\n"
+              f"  {rec['backend']}: {sched or '-'}")
+        return 0
     snap = js.snapshot()
     w = snap.world
     now = time.time()
@@ -239,12 +346,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     spares = [n.name for n in snap.nodes.values() if n.name not in used]
     data = {"job": js.job, "state": snap.state.value, "message": snap.state_message,
             "epoch": snap.epoch, "ranks": ranks, "spares": spares, "nodes": sorted(snap.nodes),
-            "leader": snap.leader}
+            "leader": snap.leader, "scheduler": sched}
     if args.json:
         print(json.dumps(data))
         return 0
     print(f"job {js.job}: {snap.state.value}, epoch {snap.epoch}, controller {snap.leader or '-'}"
-          + (f"\n  {snap.state_message}" if snap.state_message else ""))
+          + (f"\n  {snap.state_message}" if snap.state_message else "")
+          + (f"\n  {rec['backend']}: {sched}" if sched else ""))
     print(f"{'rank':>4}  {'node':<10} {'state':<10} {'step':>6} {'since':>5} {'s/step':>8} {'compute':>8} {'score':>6}")
     for r in ranks:
         st_ = f"{r['step_time']:.3f}" if r["step_time"] else "-"
@@ -275,8 +383,11 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    js = _jobstore(args)
-    log_dir = Path(js.spec()["output_dir"]) / "logs"
+    rec = _launched(args, args.job)
+    if rec is not None:  # scheduler jobs write logs to output_dir (a shared filesystem)
+        log_dir = Path(rec["output_dir"]) / "logs"
+    else:
+        log_dir = Path(_jobstore(args).spec()["output_dir"]) / "logs"
     if args.rank is not None:
         files = [log_dir / f"rank{args.rank}.log"]
     elif args.node:
@@ -293,9 +404,19 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    js = _jobstore(args)
-    js.request_cancel()
-    print(f"cancellation of {args.job} requested; agents stop their workers within a second")
+    rec = _launched(args, args.job)
+    try:
+        js = _jobstore(args)
+        js.request_cancel()
+        print(f"cancellation of {args.job} requested; agents stop their workers within a second")
+    except CliError as e:
+        if rec is None:
+            raise
+        print(f"could not reach the job's etcd ({e}); cancelling through {rec['backend']} only")
+    if rec is not None:
+        said = _launcher(rec["backend"]).cancel(rec["info"])
+        if said:
+            print(said)
     return 0
 
 
@@ -397,13 +518,55 @@ def _revive_due(revive: list, js, spec: dict) -> None:
         print(f"revived {item[1]} as a spare", flush=True)
 
 
+def _default_node() -> str:
+    import socket
+
+    return (os.environ.get("HOTSPARE_NODE") or os.environ.get("SLURMD_NODENAME")
+            or socket.gethostname().split(".")[0])
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
     from agents.agent import Agent
 
     eps = _endpoints(args)
     os.environ["HOTSPARE_ETCD"] = ",".join(eps)
-    return Agent(_store(eps), args.job, args.node, role="spare" if args.spare else "active",
-                 slots=args.slots, wait_for_job=args.wait).run()
+    node = args.node or _default_node()
+    return Agent(_store(eps), args.job, node, role="spare" if args.spare else "active",
+                 slots=args.slots, wait_for_job=args.wait, host=args.host).run()
+
+
+def register_job(store, spec_path: str) -> str:
+    """Register a job from inside its cluster (backends that bring their own etcd).
+
+    Idempotent: a restarted controller finds the job already there and leaves it alone, even
+    if it has finished (re-registering would run it again). The job's secret comes from
+    $HOTSPARE_JOB_SECRET_FILE or $HOTSPARE_JOB_SECRET (hex), else a fresh random one."""
+    from .spec import JobSpec, SpecError
+    from .store import Conflict, JobStore
+
+    try:
+        d = json.loads(Path(spec_path).read_text())
+        JobSpec.from_dict(d)
+    except (OSError, ValueError, TypeError, SpecError) as e:
+        raise CliError(f"--register {spec_path}: not a resolved job spec ({e}); "
+                       "write it with `hotspare submit --dry-run` or the launcher") from e
+    js = JobStore(store, d["name"])
+    if js.exists():
+        return f"job {d['name']} already registered; leaving it as it is"
+    secret = None
+    if os.environ.get("HOTSPARE_JOB_SECRET_FILE"):
+        secret = Path(os.environ["HOTSPARE_JOB_SECRET_FILE"]).read_bytes().strip()
+    elif os.environ.get("HOTSPARE_JOB_SECRET"):
+        secret = os.environ["HOTSPARE_JOB_SECRET"].encode()
+    try:
+        js.submit(d, bytes.fromhex(secret.decode()) if secret else secrets.token_bytes(32))
+    except ValueError as e:
+        raise CliError(f"the job secret must be hex ({e})") from e
+    except Conflict:
+        return f"job {d['name']} registered concurrently by another controller"
+    js.event("submitted", "controller", f"job {d['name']}: {d['ranks']} ranks + {d['spares']} spare node(s), "
+             f"{d['steps']} steps on {d['backend']}")
+    return f"registered job {d['name']}"
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
@@ -411,10 +574,51 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
     from .controller import Controller
 
-    c = Controller(_store(_endpoints(args)), ttl=args.ttl, job=args.job)
+    st = _store(_endpoints(args))
+    if args.register:
+        print(register_job(st, args.register), flush=True)
+    c = Controller(st, ttl=args.ttl, job=args.job)
     signal.signal(signal.SIGTERM, lambda *_: c.stop())
     c.run()
     return 0
+
+
+def cmd_etcd(args: argparse.Namespace) -> int:
+    """A single-member etcd in the foreground (inside a Slurm allocation, a container, ...)."""
+    import signal
+
+    from .etcd_server import EtcdServer, free_port
+
+    host = args.host or _host_address()
+    srv = EtcdServer(Path(args.data_dir), args.port or free_port(), free_port(), host=host)
+    srv.start(log_path=Path(args.log) if args.log else None)
+    try:
+        srv.wait_ready()
+    except (RuntimeError, TimeoutError) as e:
+        srv.stop()
+        raise CliError(f"etcd did not start: {e}" + (f" (log: {args.log})" if args.log else "")) from e
+    if args.endpoints_file:
+        tmp = Path(args.endpoints_file + ".tmp")
+        tmp.write_text(srv.endpoint + "\n")
+        tmp.replace(args.endpoints_file)
+    print(f"etcd ready at {srv.endpoint} (pid {srv.pid})", flush=True)
+    stop = lambda *_: srv.stop()  # noqa: E731
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    rc = srv.proc.wait()
+    return 0 if rc in (0, -signal.SIGTERM) else rc
+
+
+def _host_address() -> str:
+    """This machine's address as peers see it: $HOTSPARE_HOST, else the hostname's address."""
+    import socket
+
+    if os.environ.get("HOTSPARE_HOST"):
+        return os.environ["HOTSPARE_HOST"]
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 # -- parser ---------------------------------------------------------------------------------
@@ -489,13 +693,27 @@ Every injection is an event (`hotspare events JOB`).""")
              "Run one node agent in the foreground: it registers NODE under a lease, keeps warm "
              "workers and runs the ranks the controller assigns to it.")
     sp.add_argument("--job", required=True)
-    sp.add_argument("--node", required=True, help="this node's name (unique in the job)")
+    sp.add_argument("--node", help="this node's name, unique in the job (default: $HOTSPARE_NODE, "
+                    "$SLURMD_NODENAME, else the short hostname)")
+    sp.add_argument("--host", default=os.environ.get("HOTSPARE_HOST", "127.0.0.1"),
+                    help="address peers reach this node's replica server at (default: $HOTSPARE_HOST "
+                    "or 127.0.0.1; on a real cluster, the node's IP)")
     sp.add_argument("--spare", action="store_true", help="register as a hot spare")
     sp.add_argument("--slots", type=int, help="worker slots (default: the spec's ranks_per_node)")
     sp.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the job to be submitted")
     sp = add("controller", cmd_controller, "run a controller (leader-elected; a second one is a standby)")
     sp.add_argument("--job", help="only this job (default: every job in this etcd)")
     sp.add_argument("--ttl", type=float, default=3.0, help="leader lease TTL in seconds (standby takeover time)")
+    sp.add_argument("--register", metavar="SPEC_JSON", help="first register this job (a resolved spec "
+                    "as JSON) unless it exists: for backends whose etcd starts inside the cluster")
+    sp = add("etcd", cmd_etcd, "run a single-member etcd in the foreground (used inside Slurm allocations)",
+             "Run etcd on this machine, listening on all interfaces, advertising --host; writes its "
+             "endpoint to --endpoints-file once it is healthy. Stops on SIGTERM.")
+    sp.add_argument("--data-dir", required=True)
+    sp.add_argument("--endpoints-file", help="write the client URL here when ready (atomically)")
+    sp.add_argument("--host", help="address to advertise (default: $HOTSPARE_HOST, else this host's address)")
+    sp.add_argument("--port", type=int, help="client port (default: a free one)")
+    sp.add_argument("--log", help="etcd's log file")
     return p
 
 

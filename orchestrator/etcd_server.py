@@ -47,26 +47,32 @@ class EtcdServer:
     proc: subprocess.Popen | None = None
     pid: int = 0
     scheme: str = "http"
+    #: Address clients use. Loopback (the default) listens on loopback only; any other address
+    #: (a node's IP, for etcd inside a Slurm allocation) listens on every interface.
+    host: str = "127.0.0.1"
 
     @property
     def endpoint(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.client_port}"
+        return f"{self.scheme}://{self.host}:{self.client_port}"
+
+    def _listen(self, port: int, scheme: str) -> str:
+        return f"{scheme}://{'127.0.0.1' if self.host == '127.0.0.1' else '0.0.0.0'}:{port}"
 
     def start(
         self, log_path: Path | None = None, extra_args: list[str] | None = None, detach: bool = False
     ) -> EtcdServer:
         binary = find_etcd()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
         args = [
             binary,
             "--name", "hotspare",
             "--logger", "zap",
             "--log-level", "warn",
             "--data-dir", str(self.data_dir),
-            "--listen-client-urls", self.endpoint,
+            "--listen-client-urls", self._listen(self.client_port, self.scheme),
             "--advertise-client-urls", self.endpoint,
-            "--listen-peer-urls", peer,
+            "--listen-peer-urls", self._listen(self.peer_port, "http"),
             "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"hotspare={peer}",
             "--heartbeat-interval", "50",

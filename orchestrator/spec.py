@@ -66,6 +66,39 @@ _TIMED_ACTIONS: tuple[str, ...] = ("hang-rank", "slow-rank", "partition-node")
 ON_NO_SPARE_POLICIES: tuple[str, ...] = ("wait", "shrink", "fail")
 #: Where worker nodes come from.
 BACKENDS: tuple[str, ...] = ("local", "slurm", "kubernetes", "ray")
+#: Options of each backend's section (``slurm:``, ``kubernetes:``, ``ray:``): name -> (type, help).
+#: Types: str, int, float, strlist (list of strings), strmap (mapping of string to string).
+BACKEND_OPTIONS: dict[str, dict[str, tuple[str, str]]] = {
+    "slurm": {
+        "partition": ("str", "partition to submit to (sbatch --partition)"),
+        "account": ("str", "account to charge (sbatch --account)"),
+        "qos": ("str", "quality of service (sbatch --qos)"),
+        "time": ("str", "time limit, e.g. '02:00:00' (sbatch --time)"),
+        "cpus_per_node": ("int", "CPUs to request per node (sbatch --cpus-per-task)"),
+        "gpus_per_node": ("int", "GPUs to request per node (sbatch --gpus-per-node)"),
+        "sbatch_args": ("strlist", "extra sbatch options, e.g. ['--exclusive']"),
+        "setup": ("str", "shell lines run first on every node, e.g. 'source ~/venv/bin/activate'"),
+        "python": ("str", "python that has hotspare installed (default: the submitting one)"),
+    },
+    "kubernetes": {
+        "namespace": ("str", "namespace to create the job's objects in (default: default)"),
+        "image": ("str", "container image with hotspare (see docker/; default: hotspare:cpu)"),
+        "image_pull_policy": ("str", "Always, IfNotPresent or Never (default: IfNotPresent)"),
+        "cpu": ("str", "CPU request/limit per agent pod, e.g. '4'"),
+        "memory": ("str", "memory request/limit per agent pod, e.g. '16Gi'"),
+        "gpus": ("int", "nvidia.com/gpu per agent pod"),
+        "shm_size": ("str", "size of the /dev/shm volume for snapshots (default: 2Gi)"),
+        "node_selector": ("strmap", "node labels agent pods must run on"),
+        "etcd_image": ("str", "image of the in-cluster etcd (when the spec names no etcd)"),
+        "output_pvc": ("str", "PersistentVolumeClaim mounted at output_dir (default: emptyDir)"),
+    },
+    "ray": {
+        "address": ("str", "Ray cluster address (default: auto, i.e. the running cluster)"),
+        "namespace": ("str", "Ray namespace of the job's actors (default: hotspare-<name>)"),
+        "num_cpus": ("float", "CPUs each agent actor reserves (default: 1)"),
+        "resources": ("strfloat", "custom resources each agent actor needs, e.g. {trainer: 1}"),
+    },
+}
 
 # DNS-label rules: the name ends up in etcd keys, k8s object names and Slurm job names, and this is
 # the strictest of those.
@@ -211,6 +244,10 @@ class JobSpec:
     backend: str = "local"
     env: dict[str, str] = field(default_factory=dict)
     chaos: tuple[ChaosEntry, ...] = ()
+    #: Backend options (only the section of the chosen backend is used); see BACKEND_OPTIONS.
+    slurm: dict[str, Any] = field(default_factory=dict)
+    kubernetes: dict[str, Any] = field(default_factory=dict)
+    ray: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nodes(self) -> int:
@@ -231,7 +268,7 @@ class JobSpec:
                 value = value.to_dict()
             elif f.name == "chaos":
                 value = [c.to_dict() for c in value]
-            elif f.name in ("args", "env"):
+            elif f.name in ("args", "env", "slurm", "kubernetes", "ray"):
                 value = copy.deepcopy(value)
             out[f.name] = value
         return out
@@ -257,8 +294,9 @@ class JobSpec:
             )
         if "args" in kwargs:
             kwargs["args"] = copy.deepcopy(dict(kwargs["args"]))
-        if "env" in kwargs:
-            kwargs["env"] = dict(kwargs["env"])
+        for key in ("env", "slurm", "kubernetes", "ray"):
+            if key in kwargs:
+                kwargs[key] = copy.deepcopy(dict(kwargs[key]))
         missing = [
             f.name
             for f in dataclasses.fields(cls)
@@ -496,6 +534,7 @@ def _parse_job(data: Mapping[str, Any], base_dir: str) -> JobSpec:
     backend = _parse_choice("backend", opt("backend"), BACKENDS, default=default_of("backend"))
     env = _parse_env(opt("env"))
     chaos = _parse_chaos(opt("chaos"), ranks=ranks, steps=steps)
+    backend_opts = {b: _parse_backend_options(b, opt(b)) for b in ("slurm", "kubernetes", "ray")}
 
     return JobSpec(
         name=name,
@@ -518,6 +557,7 @@ def _parse_job(data: Mapping[str, Any], base_dir: str) -> JobSpec:
         backend=backend,
         env=env,
         chaos=chaos,
+        **backend_opts,
     )
 
 
@@ -877,6 +917,48 @@ def _parse_env(value: Any) -> dict[str, str]:
             raise SpecError(
                 f"must be a string, got {item!r} (quote it, e.g. {key}: '')", field=f"env.{key}"
             )
+    return out
+
+
+def _parse_backend_options(backend: str, value: Any) -> dict[str, Any]:
+    schema = BACKEND_OPTIONS[backend]
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        first = next(iter(schema))
+        raise SpecError(
+            f"must be a mapping of option: value, got {_kind(value)} "
+            f"(e.g. {backend}: {{{first}: ...}}; options: {', '.join(schema)})",
+            field=backend,
+        )
+    _check_keys(value, tuple(schema), where=backend)
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        kind, help_ = schema[key]
+        where = f"{backend}.{key}"
+        if kind == "str" and isinstance(item, str) and item.strip():
+            out[key] = item
+        elif kind == "int" and isinstance(item, int) and not isinstance(item, bool) and item >= 0:
+            out[key] = item
+        elif kind == "float" and isinstance(item, (int, float)) and not isinstance(item, bool) \
+                and math.isfinite(item) and item >= 0:
+            out[key] = float(item)
+        elif kind == "strlist" and isinstance(item, (list, tuple)) \
+                and all(isinstance(x, str) and x for x in item):
+            out[key] = list(item)
+        elif kind in ("strmap", "strfloat") and isinstance(item, Mapping) and all(
+            isinstance(k, str) and k and (
+                isinstance(v, str) if kind == "strmap"
+                else isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0)
+            for k, v in item.items()
+        ):
+            out[key] = {k: (v if kind == "strmap" else float(v)) for k, v in item.items()}
+        else:
+            want = {"str": "a non-empty string", "int": "a whole number >= 0",
+                    "float": "a number >= 0", "strlist": "a list of non-empty strings",
+                    "strmap": "a mapping of string to string",
+                    "strfloat": "a mapping of name to a number >= 0"}[kind]
+            raise SpecError(f"must be {want}, got {item!r} ({help_})", field=where)
     return out
 
 
