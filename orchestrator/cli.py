@@ -403,6 +403,29 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_wait(args: argparse.Namespace) -> int:
+    from .store import JobStore, StoreError
+
+    st = _store(_job_endpoints(args, args.job))
+    js = JobStore(st, args.job)
+    start, said = time.monotonic(), False
+    while True:
+        try:
+            if js.exists():
+                state, msg = js.state()
+                if state.terminal:
+                    print(f"job {args.job} {state.value}" + (f": {msg}" if msg else ""), flush=True)
+                    return 0 if state.value == "succeeded" else 1
+            elif not said:
+                print(f"waiting for job {args.job} to be registered", flush=True)
+                said = True
+        except StoreError as e:
+            print(f"(etcd: {e}; retrying)", flush=True)
+        if args.timeout and time.monotonic() - start > args.timeout:
+            raise CliError(f"job {args.job} not finished after --timeout {args.timeout:.0f}s")
+        time.sleep(1.0)
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     rec = _launched(args, args.job)
     try:
@@ -664,6 +687,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--rank", type=int)
     sp.add_argument("--node")
     sp.add_argument("--tail", type=int, default=0, help="only the last N lines")
+    sp = add("wait", cmd_wait, "block until a job finishes; exit 0 if it succeeded, 1 if not",
+             "Block until JOB is succeeded, failed or cancelled (waiting for it to be registered "
+             "first). For batch scripts: exit 0 if it succeeded, 1 otherwise.")
+    sp.add_argument("job")
+    sp.add_argument("--timeout", type=float, help="give up (exit 2) after this many seconds")
     sp = add("cancel", cmd_cancel, "cancel a job: its agents stop the workers and exit")
     sp.add_argument("job")
     sp = add("chaos", cmd_chaos, "inject failures into a running job (delivered through etcd)",

@@ -17,6 +17,12 @@ if ! command -v etcd >/dev/null 2>&1 && [ ! -x /usr/bin/etcd ]; then
 fi
 # Debian enables a system etcd service on install; hotspare starts its own etcd on a free port.
 
+# The Slurm backend's tests run a real Slurm (slurmctld + several slurmd) on this host.
+if ! command -v slurmctld >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "setup: installing slurm-wlm from apt (for the Slurm backend's tests)"
+  apt-get install -y slurm-wlm >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y slurm-wlm >/dev/null; }
+fi
+
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi

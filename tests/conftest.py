@@ -28,6 +28,24 @@ def etcd(tmp_path):
     srv.stop()
 
 
+def write_spec(tmp: Path, **fields) -> Path:
+    """A job spec YAML under ``tmp`` (defaults: the allreduce example, 3 ranks + 1 spare)."""
+    spec = {
+        "entrypoint": str(EXAMPLES / "allreduce.py") + ":train",
+        "ranks": 3,
+        "spares": 1,
+        "steps": 120,
+        "lease_ttl": 2,
+        "hang_timeout": 4,
+        "output_dir": str(tmp / "out" / fields.get("name", "job")),
+        "args": {"step_sleep": 0.03},
+    }
+    spec.update(fields)
+    path = tmp / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
 class Cluster:
     """A real etcd plus the processes a test starts against it; all killed at teardown."""
 
@@ -62,20 +80,7 @@ class Cluster:
                           log=f"agent-{node}.log")
 
     def spec_file(self, **fields) -> Path:
-        spec = {
-            "entrypoint": str(EXAMPLES / "allreduce.py") + ":train",
-            "ranks": 3,
-            "spares": 1,
-            "steps": 120,
-            "lease_ttl": 2,
-            "hang_timeout": 4,
-            "output_dir": str(self.tmp / "out" / fields.get("name", "job")),
-            "args": {"step_sleep": 0.03},
-        }
-        spec.update(fields)
-        path = self.tmp / f"{spec['name']}.yaml"
-        path.write_text(yaml.safe_dump(spec))
-        return path
+        return write_spec(self.tmp, **fields)
 
     def job(self, name: str) -> JobStore:
         return JobStore(self.store, name)

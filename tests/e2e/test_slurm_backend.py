@@ -1,0 +1,162 @@
+"""The Slurm backend on a real Slurm: slurmctld + 4 ``slurmd -N nX`` on this host.
+
+A job with 3 active nodes + 1 spare node trains the demo GPT; one node is lost mid-run
+(its slurmd and every process of the job on it SIGKILLed, then set DOWN); the spare node
+takes over and the job ends bit-identical to the undisturbed reference run. The etcd is the
+one the batch script starts inside the allocation; the CLI finds it via the launch record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.launchers import load_record, record_endpoints
+from orchestrator.store import JobStore, Store
+
+from ..conftest import write_spec
+from ..slurm_cluster import SlurmCluster
+from .test_exact_recovery import assert_identical, gpt_spec
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=4).start()
+    yield c
+    c.stop()
+
+
+class SlurmJob:
+    def __init__(self, slurm: SlurmCluster, tmp: Path) -> None:
+        self.slurm = slurm
+        self.tmp = tmp
+        self.env = dict(slurm.env, HOTSPARE_STATE_DIR=str(tmp / "state"), PYTHONUNBUFFERED="1")
+        self.env.pop("HOTSPARE_ETCD", None)
+        self.store: Store | None = None
+
+    def hotspare(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], env=self.env, cwd=self.tmp,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def spec_file(self, **fields) -> Path:
+        return write_spec(self.tmp, **fields)
+
+    def record(self, job: str) -> dict:
+        rec = load_record(self.tmp / "state", job)
+        assert rec is not None, "hotspare submit kept no launch record"
+        return rec
+
+    def jobstore(self, job: str, timeout: float = 90) -> JobStore:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            eps = record_endpoints(self.record(job))
+            if eps:
+                self.store = self.store or Store(eps)
+                js = JobStore(self.store, job)
+                if js.exists():
+                    return js
+            time.sleep(0.2)
+        raise AssertionError(f"job {job} never appeared in its allocation's etcd:\n{self.slurm_log(job)}")
+
+    def slurm_log(self, job: str) -> str:
+        out = Path(self.record(job)["output_dir"]) / "logs"
+        return "\n".join(f"== {f.name}\n{f.read_text(errors='replace')[-1500:]}" for f in sorted(out.glob("*")))
+
+    def wait_for(self, pred, what: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pred():
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+
+@pytest.fixture
+def slurm_job(slurm, tmp_path):
+    j = SlurmJob(slurm, tmp_path)
+    yield j
+    j.close()
+    slurm.run("scancel", "--name=hotspare-slurmloss", "--name=hotspare-slurmcancel", check=False)
+
+
+def test_node_loss_on_slurm_spare_takes_over_bit_identical(slurm, slurm_job, reference):
+    spec = gpt_spec(slurm_job, "slurmloss", backend="slurm")
+    r = slurm_job.hotspare("submit", str(spec))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rec = slurm_job.record("slurmloss")
+    job_id = rec["info"]["job_id"]
+    assert f"Slurm job {job_id}" in r.stdout and Path(rec["info"]["script"]).exists()
+
+    js = slurm_job.jobstore("slurmloss")
+    # lose the node of rank 1 once training is past the first replicated point (step 10)
+    slurm_job.wait_for(lambda: (p := js.snapshot().progress) and len(p) == 3
+                       and min(x.step for x in p.values()) >= 15, "step 15 on every rank")
+    world = js.snapshot().world
+    victim = world.seats[1].node
+    spares = [n for n in slurm.names if n not in {s.node for s in world.seats}]
+    assert victim != slurm.names[0]  # the batch host carries etcd and the controller
+    killed = slurm.kill_node(victim, job_id)
+    assert len(killed) >= 2, f"nothing of job {job_id} ran on {victim}"
+
+    w = slurm_job.hotspare("wait", "slurmloss", "--timeout", "180", timeout=200)
+    assert w.returncode == 0, w.stdout + w.stderr + slurm_job.slurm_log("slurmloss")
+    new_world = js.snapshot().world
+    assert new_world.epoch >= 2 and new_world.seats[1].node == spares[0]
+    assert victim not in {s.node for s in new_world.seats}
+    swaps = [e for e in js.events() if e.kind == "swap"]
+    assert swaps and victim in swaps[0].message, [e.message for e in js.events()]
+    assert_identical(reference, slurm_job.tmp / "out" / "slurmloss")
+
+    # once the allocation is gone, status answers from what the batch script left behind
+    slurm_job.wait_for(lambda: "RUNNING" not in slurm_job.hotspare("status", "slurmloss").stdout,
+                       "the Slurm job to end", timeout=60)
+    slurm_job.wait_for(lambda: (Path(rec["output_dir"]) / "final-status.json").exists(), "final status")
+    s = slurm_job.hotspare("status", "slurmloss", "--json")
+    assert s.returncode == 0, s.stderr
+    data = json.loads(s.stdout)
+    assert data["state"] == "succeeded" and data["scheduler"].startswith(f"Slurm job {job_id} COMPLETED")
+    logs = slurm_job.hotspare("logs", "slurmloss", "--node", spares[0], "--tail", "50")
+    assert logs.returncode == 0 and "agent-" + spares[0] in logs.stdout
+
+
+def test_cancel_on_slurm_releases_the_allocation(slurm, slurm_job):
+    spec = gpt_spec(slurm_job, "slurmcancel", backend="slurm", steps=100000, spares=0)
+    assert slurm_job.hotspare("submit", str(spec)).returncode == 0
+    js = slurm_job.jobstore("slurmcancel")
+    slurm_job.wait_for(lambda: js.snapshot().progress, "training to start")
+    st = slurm_job.hotspare("status", "slurmcancel")
+    assert st.returncode == 0 and "RUNNING" in st.stdout and "running" in st.stdout, st.stdout + st.stderr
+    c = slurm_job.hotspare("cancel", "slurmcancel")
+    assert c.returncode == 0 and "scancel" in c.stdout, c.stdout + c.stderr
+    job_id = slurm_job.record("slurmcancel")["info"]["job_id"]
+    slurm_job.wait_for(lambda: not slurm.run("squeue", "-h", "-j", job_id, check=False).stdout.strip(),
+                       "the allocation to be released", timeout=60)
+
+
+def test_slurm_dry_run_prints_the_script_and_submits_nothing(slurm, slurm_job):
+    spec = gpt_spec(slurm_job, "slurmdry", backend="slurm",
+                    slurm={"partition": "debug", "time": "01:00:00", "sbatch_args": ["--exclusive"]})
+    r = slurm_job.hotspare("submit", str(spec), "--dry-run")
+    assert r.returncode == 0, r.stderr
+    for line in ("#SBATCH --nodes=4", "#SBATCH --no-kill", "#SBATCH --partition=debug",
+                 "#SBATCH --time=01:00:00", "#SBATCH --exclusive", "--kill-on-bad-exit=0", "--spare"):
+        assert line in r.stdout, line
+    assert load_record(slurm_job.tmp / "state", "slurmdry") is None
+    assert "hotspare-slurmdry" not in slurm.run("squeue", "-h", "-o", "%j").stdout
+
+
+def test_slurm_submit_without_slurm_tools_is_one_clear_error(slurm_job):
+    spec = gpt_spec(slurm_job, "noslurm", backend="slurm")
+    slurm_job.env["PATH"] = os.path.dirname(sys.executable)  # python, but no sbatch
+    r = slurm_job.hotspare("submit", str(spec))
+    assert r.returncode == 2 and "`sbatch` not found" in r.stderr and "Traceback" not in r.stderr, r.stderr
