@@ -31,6 +31,7 @@ from orchestrator.store import (
 )
 
 from .heartbeat import RUNNING, STATE_NAMES, WARM, Heartbeat
+from .persist import Persister
 from .replica import ReplicaServer, ReplicaStore, Replicator
 
 log = logging.getLogger("hotspare.agent")
@@ -170,6 +171,19 @@ class Agent:
         )
         if int(self.spec.get("replicas", 1)) > 0:
             self._replicator.start()
+        self._world_info = (0, int(spec["ranks"]))
+        self._checkpoint_step: int | None = None
+        self._persister = Persister(
+            self.run_dir, spec, job=self.job,
+            local_ranks=lambda: {
+                w.rank for w in list(self.workers.values()) if w.rank is not None and w.proc.poll() is None
+            },
+            world=lambda: self._world_info,
+            requested=lambda: self._checkpoint_step,
+            event=lambda kind, msg, **data: self._event(kind, msg, **data),
+        )
+        if int(self.spec.get("replicas", 1)) > 0:
+            self._persister.start()
         self._register()
         cancel_watch = self.store.watch_prefix(self.js.keys.prefix, self._wake.set)
         signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
@@ -265,10 +279,18 @@ class Agent:
                 self._kill(w)
         self._register()
 
+    def _event(self, kind: str, message: str, **data) -> None:
+        try:
+            self.js.event(kind, self.node, message, node=self.node, **data)
+        except StoreError as e:
+            log.warning("event %s not recorded: %s", kind, e)
+
     def _assign(self, snap) -> None:
+        self._checkpoint_step = snap.checkpoint
         world = snap.world
         if world is None:
             return
+        self._world_info = (world.epoch, world.size)
         self._buddies = ring_buddies(world, snap.nodes, self.node, int(self.spec.get("replicas", 1)))
         mine = set(world.ranks_on(self.node, self.incarnation))
         held = {w.rank: w for w in self.workers.values() if w.rank is not None}
@@ -422,6 +444,7 @@ class Agent:
             except subprocess.TimeoutExpired:
                 w.proc.kill()
         self._replicator.stop()
+        self._persister.stop()
         self._server.stop()
         if self._lease is not None:
             try:

@@ -403,6 +403,43 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    """Persist the job's state at the next replication point, out of schedule."""
+    from recovery import persist
+
+    js = _jobstore(args)
+    snap = js.snapshot()
+    spec = snap.spec or {}
+    if snap.state.terminal:
+        raise CliError(f"job {args.job} is {snap.state.value}; its final state is in {spec.get('output_dir')}/final")
+    if not int(spec.get("replicas", 1)):
+        raise CliError("persisting needs replication points: this job runs with replicas: 0")
+    every = int(spec.get("replicate_every", 10))
+    newest = max((p.step for p in snap.progress.values()), default=-1)
+    step = (newest // every + 1) * every
+    if step >= int(spec["steps"]):
+        raise CliError(f"job {args.job} is at step {newest} of {spec['steps']}: no replication point "
+                       f"(every {every} steps) is left before the end; the final state will be written")
+    js.store.put(js.keys.checkpoint, json.dumps({"step": step, "time": time.time()}))
+    root = spec.get("persist_path") or str(Path(spec["output_dir"]) / "checkpoints")
+    print(f"checkpoint requested at step {step} (the next replication point); it goes to "
+          f"{persist.step_dir(root, step)}", flush=True)
+    if args.no_wait:
+        return 0
+    start = time.monotonic()
+    while step not in persist.complete_steps(root):
+        failed = [e for e in js.events() if e.kind == "persist-failed" and e.data.get("step") == step]
+        if failed:
+            raise CliError(failed[0].message)
+        if js.state()[0].terminal:
+            raise CliError(f"job {args.job} ended before step {step} was persisted")
+        if args.timeout and time.monotonic() - start > args.timeout:
+            raise CliError(f"step {step} not persisted after --timeout {args.timeout:.0f}s")
+        time.sleep(0.2)
+    print(f"persisted: {persist.step_dir(root, step)} (manifest written)")
+    return 0
+
+
 def cmd_wait(args: argparse.Namespace) -> int:
     from .store import JobStore, StoreError
 
@@ -687,6 +724,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--rank", type=int)
     sp.add_argument("--node")
     sp.add_argument("--tail", type=int, default=0, help="only the last N lines")
+    sp = add("checkpoint", cmd_checkpoint, "persist a job's state now (at its next replication point)",
+             "Ask every rank to flush its snapshot of the next replication point to the persistent "
+             "tier (persist_path, default <output_dir>/checkpoints), then wait until the checkpoint "
+             "is complete (its manifest is written).")
+    sp.add_argument("job")
+    sp.add_argument("--no-wait", action="store_true", help="return once requested")
+    sp.add_argument("--timeout", type=float, default=300, help="seconds to wait (default 300)")
     sp = add("wait", cmd_wait, "block until a job finishes; exit 0 if it succeeded, 1 if not",
              "Block until JOB is succeeded, failed or cancelled (waiting for it to be registered "
              "first). For batch scripts: exit 0 if it succeeded, 1 otherwise.")

@@ -238,6 +238,13 @@ class JobSpec:
     min_ranks: int = 1
     replicas: int = 1
     replicate_every: int = 10
+    #: Persistent tier: every N steps (a multiple of replicate_every; 0 = off) each rank's
+    #: snapshot is flushed to persist_path (default <output_dir>/checkpoints), through
+    #: persist_local_dir (fast local disk) if set; the newest persist_keep are kept.
+    persist_every: int = 0
+    persist_path: str | None = None
+    persist_local_dir: str | None = None
+    persist_keep: int = 2
     straggler_threshold: float = 2.0
     on_straggler: str = "report"
     output_dir: str | None = None
@@ -526,6 +533,17 @@ def _parse_job(data: Mapping[str, Any], base_dir: str) -> JobSpec:
     replicate_every = _parse_int(
         "replicate_every", opt("replicate_every"), minimum=1, default=default_of("replicate_every")
     )
+    persist_every = _parse_int("persist_every", opt("persist_every"), minimum=0,
+                               default=default_of("persist_every"))
+    if persist_every and persist_every % replicate_every:
+        raise SpecError(
+            f"must be a multiple of replicate_every ({replicate_every}), got {persist_every} "
+            f"(persisted steps are replication points; e.g. persist_every: {replicate_every * 5})",
+            field="persist_every",
+        )
+    persist_path = _parse_persist_path(opt("persist_path"), base_dir)
+    persist_local_dir = _parse_output_dir(opt("persist_local_dir"), base_dir, "persist_local_dir")
+    persist_keep = _parse_int("persist_keep", opt("persist_keep"), minimum=1, default=default_of("persist_keep"))
     straggler_threshold = _parse_ratio("straggler_threshold", opt("straggler_threshold"))
     on_straggler = _parse_choice(
         "on_straggler", opt("on_straggler"), ("report", "replace"), default=default_of("on_straggler")
@@ -551,6 +569,10 @@ def _parse_job(data: Mapping[str, Any], base_dir: str) -> JobSpec:
         min_ranks=min_ranks,
         replicas=replicas,
         replicate_every=replicate_every,
+        persist_every=persist_every,
+        persist_path=persist_path,
+        persist_local_dir=persist_local_dir,
+        persist_keep=persist_keep,
         straggler_threshold=straggler_threshold,
         on_straggler=on_straggler,
         output_dir=output_dir,
@@ -881,15 +903,22 @@ def _parse_etcd(value: Any, base_dir: str) -> EtcdConfig:
     return EtcdConfig(endpoints=endpoints, **extras)
 
 
-def _parse_output_dir(value: Any, base_dir: str) -> str | None:
+def _parse_output_dir(value: Any, base_dir: str, name: str = "output_dir") -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
         raise SpecError(
-            f"must be a directory path, got {value!r} (e.g. output_dir: runs/my-job)",
-            field="output_dir",
+            f"must be a directory path, got {value!r} (e.g. {name}: runs/my-job)",
+            field=name,
         )
     return _resolve_path(value, base_dir)
+
+
+def _parse_persist_path(value: Any, base_dir: str) -> str | None:
+    """A directory, or an fsspec URL (s3://bucket/prefix, gs://..., file:///...)."""
+    if isinstance(value, str) and re.match(r"^[a-z][a-z0-9+.-]*://", value):
+        return value
+    return _parse_output_dir(value, base_dir, "persist_path")
 
 
 def _parse_env(value: Any) -> dict[str, str]:

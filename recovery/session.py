@@ -333,15 +333,21 @@ class Session:
             self.snapshots.capture(-1)
             self.snapshots.wait()
             return -1, {"source": "fresh start", "bytes": 0, "seconds": 0.0}
-        mask = torch.tensor([1 if top - i in offer else 0 for i in range(WINDOW)], dtype=torch.int64)
+        persisted = self._persisted_step()
+        mask = torch.tensor([1 if top - i in offer else 0 for i in range(WINDOW)] + [persisted],
+                            dtype=torch.int64)
         if not self._pg.allreduce_(mask, dist.ReduceOp.MIN):
             raise _StepFailed()
         common = [top - i for i in range(WINDOW) if mask[i].item() == 1]
+        persisted = int(mask[WINDOW].item())  # the newest checkpoint every member sees
+        if not common and persisted >= 0:
+            return persisted, self._restore_persisted(persisted, t0)
         if not common:
             raise RuntimeError(
                 f"rank {self.rank}: no snapshot step is held by every member of epoch {epoch} "
-                f"(this rank offers {sorted(offer)[-5:]}, newest anywhere {top}); the state of a "
-                "lost rank and all its replicas is gone"
+                f"(this rank offers {sorted(offer)[-5:]}, newest anywhere {top}) and there is no "
+                f"complete persisted checkpoint in {self._persist_root()}: the state of a lost rank "
+                "and all its replicas is gone (set persist_every to survive this)"
             )
         step = max(common)
         if step in local:
@@ -360,6 +366,37 @@ class Session:
             source, nbytes = f"replica on {holder}", len(body)
         self._dirty = False
         return step, {"source": source, "bytes": nbytes, "seconds": round(time.time() - t0, 4)}
+
+    def _persist_root(self) -> str:
+        return self.spec.get("persist_path") or str(Path(self.spec["output_dir"]) / "checkpoints")
+
+    def _persisted_step(self) -> int:
+        """Newest complete persisted checkpoint of this world size, or -1."""
+        from . import persist
+
+        root = self._persist_root()
+        for step in reversed(persist.complete_steps(root)):
+            try:
+                if int(persist.read_manifest(root, step)["world_size"]) == self.world_size:
+                    return step
+            except persist.CheckpointError as e:
+                log.warning("%s", e)
+        return -1
+
+    def _restore_persisted(self, step: int, t0: float) -> dict:
+        """Every member rolls back to the persisted checkpoint (no replica of a lost rank is left)."""
+        from . import persist
+
+        root = self._persist_root()
+        tensors, meta = persist.load_rank(root, step, self.rank)  # CheckpointError names the file
+        restore(self.snapshots.providers, tensors, meta)
+        self.snapshots.invalidate_after(-2)
+        self.snapshots.capture(step)
+        self.snapshots.wait()
+        self._dirty = False
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return {"source": f"persisted checkpoint {persist.step_dir(root, step)}", "bytes": nbytes,
+                "seconds": round(time.time() - t0, 4)}
 
     def _fetch(self, step: int, holders: list[tuple[str, str, int]]) -> tuple[dict, bytes, str]:
         from agents.replica import fetch_first

@@ -43,7 +43,7 @@ class JobKeys:
         return f"/hotspare/{self.job}/"
 
     def __getattr__(self, name: str) -> str:  # spec, secret, state, cancel, leader, epoch
-        if name in ("spec", "secret", "state", "cancel", "leader", "epoch"):
+        if name in ("spec", "secret", "state", "cancel", "leader", "epoch", "checkpoint"):
             return self.prefix + name
         raise AttributeError(name)
 
@@ -103,6 +103,7 @@ class JobSnapshot:
     done: dict[int, dict] = field(default_factory=dict)
     progress: dict[int, Progress] = field(default_factory=dict)
     chaos: dict[str, list[str]] = field(default_factory=dict)
+    checkpoint: int | None = None  # step `hotspare checkpoint` asked to persist
 
 
 def parse_snapshot(job: str, kvs: list[KV], revision: int) -> JobSnapshot:
@@ -127,6 +128,8 @@ def parse_snapshot(job: str, kvs: list[KV], revision: int) -> JobSnapshot:
             snap.cancel = True
         elif rel == "leader":
             snap.leader = kv.value.decode()
+        elif rel == "checkpoint":
+            snap.checkpoint = int(json.loads(kv.value)["step"])
         elif rel == "epoch":
             snap.epoch = int(kv.value)
             snap.epoch_mod = kv.mod_revision

@@ -39,6 +39,6 @@ def test_dry_run_prints_the_resolved_spec_without_submitting(cluster):
 
 def test_every_command_has_help(cluster):
     for cmd in ("up", "down", "run", "submit", "status", "events", "logs", "cancel", "chaos",
-                "agent", "controller", "etcd", "wait"):
+                "agent", "controller", "etcd", "wait", "checkpoint"):
         r = cluster.hotspare(cmd, "--help", check=True)
         assert "usage: hotspare " + cmd in r.stdout

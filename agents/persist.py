@@ -1,0 +1,113 @@
+"""The agent's persister: flushes replication points of its local ranks to the persistent tier.
+
+Runs in the agent, not in the training process: the worker only ever writes its snapshot
+into host memory (``/dev/shm``), so persisting costs training nothing but memory bandwidth
+on another core. Persisted steps are replication points (``persist_every`` is a multiple
+of ``replicate_every``), which every rank snapshots at the same step, so the per-rank files
+of one step form a consistent checkpoint; ``hotspare checkpoint JOB`` asks for the next
+point out of schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from recovery import persist
+
+log = logging.getLogger("hotspare.persist")
+
+
+class Persister:
+    def __init__(
+        self,
+        run_dir: Path,
+        spec: dict,
+        *,
+        job: str,
+        local_ranks: Callable[[], set[int]],
+        world: Callable[[], tuple[int, int]],  # (epoch, world size)
+        requested: Callable[[], int | None],
+        event: Callable[..., None],
+        interval: float = 0.1,
+    ) -> None:
+        self.run_dir = run_dir
+        self.every = int(spec.get("persist_every") or 0)
+        self.root = spec.get("persist_path") or str(Path(spec["output_dir"]) / "checkpoints")
+        self.local_dir = spec.get("persist_local_dir")
+        self.keep = int(spec.get("persist_keep") or 2)
+        self.job = job
+        self.local_ranks = local_ranks
+        self.world = world
+        self.requested = requested
+        self.event = event
+        self.interval = interval
+        self.done: dict[int, int] = {}  # rank -> newest step persisted (or given up on)
+        self.failed: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="persister", daemon=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
+    def start(self) -> Persister:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def wanted(self, step: int) -> bool:
+        if step <= 0:
+            return False
+        req = self.requested()
+        return (self.every > 0 and step % self.every == 0) or (req is not None and step == req)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.persist_once()
+            except Exception:  # noqa: BLE001 - persisting is best effort, never fatal
+                log.exception("persist round failed")
+
+    def persist_once(self) -> None:
+        for rank in sorted(self.local_ranks()):
+            views = [v for k in range(2) if (v := persist.open_slot(self.run_dir / f"rank{rank}.point{k}"))]
+            try:
+                for view in sorted(views, key=lambda v: -int(v.header["step"])):
+                    step = int(view.header["step"])
+                    if step > self.done.get(rank, -1) and self.wanted(step):
+                        self._persist(view, rank, step)
+                        break  # the newest wanted point only
+            finally:
+                for v in views:
+                    v.close()
+
+    def _persist(self, view: persist.SlotView, rank: int, step: int) -> None:
+        epoch, size = self.world()
+        try:
+            rec = persist.write_rank(view, self.root, rank=rank, job=self.job, epoch=epoch,
+                                     local_dir=self.local_dir)
+        except InterruptedError as e:
+            log.info("%s; next point", e)
+            return
+        except OSError as e:
+            self.done[rank] = step  # do not retry the same step in a loop
+            prev = persist.complete_steps(self.root)
+            what = "disk full" if persist.is_disk_full(e) else "write failed"
+            msg = (f"persisting step {step} of rank {rank} to {self.root} failed ({what}: "
+                   f"{e.strerror or e}); "
+                   + (f"the previous checkpoint (step {prev[-1]}) is intact" if prev else "no earlier checkpoint exists"))
+            log.error(msg)
+            self.event("persist-failed", msg, rank=rank, step=step, error=str(e))
+            return
+        self.done[rank] = step
+        log.info("persisted rank %d step %d: %d bytes in %.3fs", rank, step, rec["bytes"], rec["write_s"])
+        if persist.try_finish(self.root, step, size, self.job):
+            removed = persist.prune(self.root, self.keep)
+            self.event("persisted", f"checkpoint of step {step} complete in {self.root}", step=step,
+                       path=str(persist.step_dir(self.root, step)), removed=removed)

@@ -1,0 +1,341 @@
+"""The persistent tier: snapshots flushed from host memory to disk, off the training path.
+
+Layout under the persist path (a directory; ``persist_path`` in the spec)::
+
+    step00000040/rank0.safetensors   one plain safetensors file per rank
+    step00000040/rank0.json          {"bytes", "crc32", ...}: written after the data is durable
+    step00000040/manifest.json       written last, atomically, once every rank's file is there
+
+A step directory without ``manifest.json`` is never taken for a checkpoint. Tensor names are
+the snapshot's ``component/key`` names and each file's metadata holds the components' JSON
+state under ``hotspare.meta`` -- the same convention as ``final/``, so
+``safetensors.torch.load_file`` reads them and :func:`load_checkpoint` restores them.
+
+The writer (:func:`write_rank`) runs in the node agent: it streams a COMPLETE snapshot slot
+from ``/dev/shm`` with gathered ``writev`` calls (many small tensors, few large writes),
+computing a CRC32 on the way, into a local directory first (``persist_local_dir``, fast
+local SSD) and then to the shared path. Torch-free: the agent never imports torch.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import re
+import shutil
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .slotfile import _CTRL, COMPLETE, CTRL_SIZE, MAGIC
+
+#: snapshot dtype names -> safetensors dtype codes
+ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+             "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+_STEP_DIR = re.compile(r"^step(\d{8})$")
+_IOV_MAX = 512
+_COPY_CHUNK = 64 << 20
+
+
+class CheckpointError(Exception):
+    """A persisted checkpoint is missing, incomplete, truncated or corrupt (the message names the file)."""
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step{step:08d}"
+
+
+# -- writing (agent side) -----------------------------------------------------------------
+@dataclass
+class SlotView:
+    """A COMPLETE slot file mapped read-only; ``valid()`` says it was not overwritten since."""
+
+    path: Path
+    mm: mmap.mmap
+    header: dict
+    data_off: int
+    seq: int
+
+    def valid(self) -> bool:
+        _, state, _, seq, *_ = struct.unpack_from(_CTRL, self.mm, 0)
+        return state == COMPLETE and seq == self.seq
+
+    def close(self) -> None:
+        self.mm.close()
+
+
+def open_slot(path: Path) -> SlotView | None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size < CTRL_SIZE:
+            return None
+        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    magic, state, _step, seq, hlen, doff, dlen = struct.unpack_from(_CTRL, mm, 0)
+    if magic != MAGIC or state != COMPLETE or doff + dlen > size:
+        mm.close()
+        return None
+    v = SlotView(path, mm, json.loads(bytes(mm[CTRL_SIZE: CTRL_SIZE + hlen])), doff, seq)
+    if not v.valid():
+        v.close()
+        return None
+    return v
+
+
+def _st_header(tensors: list[dict], meta: dict) -> tuple[bytes, list[tuple[int, int]]]:
+    """safetensors header for the tensors laid end to end (no holes), and each one's
+    (offset, nbytes) in the slot's data area."""
+    head: dict = {"__metadata__": meta}
+    pos, spans = 0, []
+    for t in tensors:
+        head[t["name"]] = {"dtype": ST_DTYPES[t["dtype"]], "shape": list(t["shape"]),
+                           "data_offsets": [pos, pos + t["nbytes"]]}
+        pos += t["nbytes"]
+        spans.append((t["offset"], t["nbytes"]))
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, spans
+
+
+def _write_all(fd: int, bufs: list) -> None:
+    while bufs:
+        n = os.writev(fd, bufs[:_IOV_MAX])
+        while n:
+            if n >= len(bufs[0]):
+                n -= len(bufs[0])
+                bufs.pop(0)
+            else:
+                bufs[0] = bufs[0][n:]
+                n = 0
+
+
+def _atomic_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def write_rank(view: SlotView, root: str | Path, *, rank: int, job: str, epoch: int,
+               local_dir: str | Path | None = None) -> dict:
+    """Stream one rank's snapshot slot into ``root`` (via ``local_dir`` first, if given).
+
+    Returns the rank record (also written as ``rank<r>.json``). Raises OSError (ENOSPC, ...)
+    after removing its temporary files; nothing of an earlier checkpoint is touched.
+    """
+    h = view.header
+    step = int(h["step"])
+    meta = {"hotspare.meta": json.dumps(h["meta"], separators=(",", ":")), "hotspare.rank": str(rank),
+            "hotspare.step": str(step), "hotspare.job": job}
+    head, spans = _st_header(h["tensors"], meta)
+    first = Path(local_dir) / job if local_dir else Path(root)
+    d = step_dir(first, step)
+    d.mkdir(parents=True, exist_ok=True)
+    name = f"rank{rank}.safetensors"
+    tmp = d / f".{name}.{os.getpid()}.tmp"
+    t0 = time.perf_counter()
+    crc = 0
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            data = memoryview(view.mm)[view.data_off:]
+            bufs = [head]
+            crc = zlib.crc32(head)
+            for off, n in spans:
+                piece = data[off: off + n]
+                crc = zlib.crc32(piece, crc)
+                bufs.append(piece)
+            _write_all(fd, bufs)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            data = bufs = piece = None  # noqa: F841 - release the mmap exports
+        if not view.valid():
+            raise InterruptedError(f"snapshot slot {view.path} was overwritten while persisting step {step}")
+        os.replace(tmp, d / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    size = len(head) + sum(n for _, n in spans)
+    rec = {"rank": rank, "step": step, "epoch": epoch, "file": name, "bytes": size, "crc32": crc,
+           "write_s": round(time.perf_counter() - t0, 4)}
+    if local_dir:  # local SSD -> shared path
+        dst = step_dir(root, step)
+        dst.mkdir(parents=True, exist_ok=True)
+        _copy(d / name, dst / name)
+        (d / name).unlink(missing_ok=True)
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+        d = dst
+    _fsync_dir(d)
+    _atomic_json(d / f"rank{rank}.json", rec)
+    return rec
+
+
+def _copy(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    try:
+        with open(src, "rb") as fi, open(tmp, "wb") as fo:
+            shutil.copyfileobj(fi, fo, _COPY_CHUNK)
+            fo.flush()
+            os.fsync(fo.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def try_finish(root: str | Path, step: int, world_size: int, job: str) -> bool:
+    """Write the manifest if every rank's record is there (whoever completes the set does it;
+    two writers write the same content atomically). True if this call completed it."""
+    d = step_dir(root, step)
+    if (d / "manifest.json").exists():
+        return False
+    recs = {}
+    for r in range(world_size):
+        try:
+            recs[str(r)] = json.loads((d / f"rank{r}.json").read_text())
+        except (OSError, ValueError):
+            return False
+    _atomic_json(d / "manifest.json", {"job": job, "step": step, "world_size": world_size,
+                                       "files": recs, "time": time.time(), "format": "hotspare-ckpt-1"})
+    _fsync_dir(d)
+    return True
+
+
+def prune(root: str | Path, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` complete checkpoints, and incomplete step dirs older
+    than the newest complete one. Returns the steps removed."""
+    complete = complete_steps(root)
+    if not complete:
+        return []
+    newest, keep_set = complete[-1], set(complete[-keep:])
+    gone = []
+    for p in Path(root).iterdir():
+        m = _STEP_DIR.match(p.name)
+        if not m:
+            continue
+        s = int(m.group(1))
+        if s in keep_set or s > newest:
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        gone.append(s)
+    return sorted(gone)
+
+
+# -- reading -------------------------------------------------------------------------------
+def complete_steps(root: str | Path) -> list[int]:
+    """Steps with a manifest (complete checkpoints), oldest first."""
+    try:
+        entries = list(Path(root).iterdir())
+    except OSError:
+        return []
+    out = []
+    for p in entries:
+        m = _STEP_DIR.match(p.name)
+        if m and (p / "manifest.json").is_file():
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def read_manifest(root: str | Path, step: int) -> dict:
+    f = step_dir(root, step) / "manifest.json"
+    try:
+        m = json.loads(f.read_text())
+        if not isinstance(m, dict) or not isinstance(m.get("files"), dict) or "world_size" not in m:
+            raise ValueError("not a hotspare checkpoint manifest")
+        return m
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{f}: missing (step {step} is not a complete checkpoint)") from e
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f}: unreadable manifest ({e})") from e
+
+
+def read_rank_bytes(root: str | Path, step: int, rank: int, manifest: dict | None = None) -> tuple[dict, bytes]:
+    """(safetensors header, file bytes) of one rank, verified against the manifest: size and
+    CRC32. Raises CheckpointError naming the file."""
+    m = manifest or read_manifest(root, step)
+    rec = m["files"].get(str(rank))
+    if rec is None:
+        raise CheckpointError(f"{step_dir(root, step) / 'manifest.json'}: no entry for rank {rank} "
+                              f"(world size {m['world_size']})")
+    f = step_dir(root, step) / rec["file"]
+    try:
+        raw = f.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{f}: {e.strerror or e}") from e
+    if len(raw) != rec["bytes"]:
+        raise CheckpointError(f"{f}: truncated or padded: {len(raw)} bytes, the manifest says "
+                              f"{rec['bytes']}; this checkpoint cannot be used")
+    if zlib.crc32(raw) != rec["crc32"]:
+        raise CheckpointError(f"{f}: corrupt: CRC32 mismatch with the manifest; this checkpoint "
+                              "cannot be used")
+    try:
+        (hlen,) = struct.unpack_from("<Q", raw, 0)
+        header = json.loads(raw[8: 8 + hlen])
+    except (struct.error, ValueError) as e:
+        raise CheckpointError(f"{f}: not a safetensors file ({e})") from e
+    return header, raw
+
+
+def load_rank(root: str | Path, step: int, rank: int, manifest: dict | None = None):
+    """(tensors, meta) of one rank's persisted state: tensors are ``component/key`` names."""
+    from safetensors.torch import load as st_load
+
+    header, raw = read_rank_bytes(root, step, rank, manifest)
+    try:
+        tensors = st_load(raw)
+        meta = json.loads(header["__metadata__"]["hotspare.meta"])
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        f = step_dir(root, step) / f"rank{rank}.safetensors"
+        raise CheckpointError(f"{f}: unreadable safetensors data ({e})") from e
+    return tensors, meta
+
+
+def load_checkpoint(root: str | Path, step: int | None = None):
+    """Every rank's state of a complete persisted checkpoint (the newest unless ``step``),
+    as a :class:`recovery.final.FinalState`."""
+    from .final import FinalState
+
+    if step is None:
+        steps = complete_steps(root)
+        if not steps:
+            raise CheckpointError(f"{root}: no complete checkpoint (no step*/manifest.json)")
+        step = steps[-1]
+    m = read_manifest(root, step)
+    ranks, meta = {}, {}
+    for r in range(int(m["world_size"])):
+        ranks[r], meta[r] = load_rank(root, step, r, m)
+    return FinalState(manifest=m, ranks=ranks, meta=meta)
+
+
+def is_disk_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)

@@ -1,0 +1,154 @@
+"""The persistent tier on real files: snapshot slots written by the real engine, persisted by
+the agent's Persister, read back by load_checkpoint and by plain safetensors; truncated and
+corrupt files refused by name; a really full filesystem (a tiny tmpfs) leaves the previous
+checkpoint intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from agents.persist import Persister
+from agents.replica import ReplicaStore
+from recovery import persist
+from recovery.snapshot import SnapshotEngine
+from recovery.state import provider_for
+
+
+def _engine(tmp: Path, width: int = 64):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    eng = SnapshotEngine(tmp / "shm", 0, replicate_every=10, replication_timeout=5)
+    eng.providers = provider_for("model", model) + provider_for("optimizer", opt)
+    return eng, model, opt
+
+
+def _train_to(eng, model, opt, upto: int, start: int = 0) -> None:
+    store = ReplicaStore(eng.dir)
+    for step in range(start, upto + 1):
+        opt.zero_grad()
+        model(torch.randn(4, model[0].in_features)).sum().backward()
+        opt.step()
+        eng.capture(step)
+        eng.wait()
+        if step % 10 == 0:
+            store.confirm(0, step)  # what the agent's replicator does once buddies have it
+
+
+def _persister(eng, root: Path, events: list, **spec) -> Persister:
+    s = {"persist_every": 10, "persist_path": str(root), "output_dir": str(root.parent), **spec}
+    return Persister(eng.dir, s, job="t", local_ranks=lambda: {0}, world=lambda: (1, 1),
+                     requested=lambda: None, event=lambda kind, msg, **d: events.append((kind, msg, d)))
+
+
+def test_persisted_checkpoint_loads_back_exactly_and_with_plain_safetensors(tmp_path):
+    eng, model, opt = _engine(tmp_path)
+    _train_to(eng, model, opt, 10)
+    events: list = []
+    p = _persister(eng, tmp_path / "ckpt", events, persist_local_dir=str(tmp_path / "ssd"))
+    p.persist_once()
+    assert persist.complete_steps(tmp_path / "ckpt") == [10]
+    assert [e[0] for e in events] == ["persisted"]
+    assert not list((tmp_path / "ssd").rglob("*.safetensors"))  # moved on to the shared path
+
+    st = persist.load_checkpoint(tmp_path / "ckpt")
+    assert st.manifest["step"] == 10 and st.manifest["world_size"] == 1
+    for name, t in model.state_dict().items():
+        assert torch.equal(st.ranks[0][f"model.params/{name}"], t)
+    plain = load_file(str(tmp_path / "ckpt" / "step00000010" / "rank0.safetensors"))
+    assert set(plain) == set(st.ranks[0]) and any(k.startswith("optimizer/") for k in plain)
+    assert "1e-3" in json.dumps(st.meta[0]["optimizer"]) or "0.001" in json.dumps(st.meta[0]["optimizer"])
+    eng.close()
+
+
+def test_keep_prunes_old_checkpoints_and_never_the_newest(tmp_path):
+    eng, model, opt = _engine(tmp_path)
+    events: list = []
+    p = _persister(eng, tmp_path / "ckpt", events, persist_keep=2)
+    for upto in (10, 20, 30):
+        _train_to(eng, model, opt, upto, start=upto - 9 if upto > 10 else 0)
+        p.persist_once()
+    assert persist.complete_steps(tmp_path / "ckpt") == [20, 30]
+    eng.close()
+
+
+def test_truncated_or_corrupt_checkpoint_is_refused_with_the_file_named(tmp_path):
+    eng, model, opt = _engine(tmp_path)
+    _train_to(eng, model, opt, 10)
+    _persister(eng, tmp_path / "ckpt", []).persist_once()
+    eng.close()
+    f = tmp_path / "ckpt" / "step00000010" / "rank0.safetensors"
+    good = f.read_bytes()
+
+    f.write_bytes(good[: len(good) // 2])
+    with pytest.raises(persist.CheckpointError, match=rf"{f}: truncated"):
+        persist.load_checkpoint(tmp_path / "ckpt")
+
+    bad = bytearray(good)
+    bad[-5] ^= 0xFF
+    f.write_bytes(bytes(bad))
+    with pytest.raises(persist.CheckpointError, match=rf"{f}: corrupt: CRC32 mismatch"):
+        persist.load_checkpoint(tmp_path / "ckpt")
+
+    f.write_bytes(good)
+    (f.parent / "manifest.json").write_text("{not json")
+    with pytest.raises(persist.CheckpointError, match="manifest.json: unreadable manifest"):
+        persist.load_checkpoint(tmp_path / "ckpt", step=10)
+    (f.parent / "manifest.json").unlink()  # a half-written checkpoint is never a checkpoint
+    assert persist.complete_steps(tmp_path / "ckpt") == []
+    with pytest.raises(persist.CheckpointError, match="no complete checkpoint"):
+        persist.load_checkpoint(tmp_path / "ckpt")
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A real, really small filesystem (tmpfs) to fill up."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    assert r.returncode == 0, f"this test mounts a 1 MiB tmpfs and needs root: {r.stderr}"
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_disk_full_during_persist_keeps_the_previous_checkpoint_and_says_so(tmp_path, tiny_fs):
+    eng, model, opt = _engine(tmp_path, width=160)  # ~0.4 MB of state: two do not fit in 1 MiB
+    events: list = []
+    root = tiny_fs / "ckpt"
+    p = _persister(eng, root, events)
+    _train_to(eng, model, opt, 10)
+    p.persist_once()
+    assert persist.complete_steps(root) == [10]
+    filler = tiny_fs / "filler"
+    with open(filler, "wb") as f:  # leave less room than one more checkpoint needs
+        f.write(b"\0" * (os.statvfs(tiny_fs).f_bavail * os.statvfs(tiny_fs).f_frsize - 64 * 1024))
+    _train_to(eng, model, opt, 20, start=11)
+    p.persist_once()
+    kinds = [e[0] for e in events]
+    assert kinds == ["persisted", "persist-failed"], events
+    msg = events[-1][1]
+    assert "disk full" in msg and "No space left on device" in msg and str(root) in msg
+    assert "previous checkpoint (step 10) is intact" in msg
+    assert persist.complete_steps(root) == [10]
+    st = persist.load_checkpoint(root)  # verified against its CRC: intact
+    assert st.manifest["step"] == 10
+    assert not [x for x in (root / "step00000020").iterdir() if x.name.startswith(".")]  # no temp left
+    eng.close()
+
+
+def test_manifest_names_every_rank_with_size_and_checksum(tmp_path):
+    eng, model, opt = _engine(tmp_path)
+    _train_to(eng, model, opt, 10)
+    _persister(eng, tmp_path / "ckpt", []).persist_once()
+    m = json.loads((tmp_path / "ckpt" / "step00000010" / "manifest.json").read_text())
+    rec = m["files"]["0"]
+    size = (tmp_path / "ckpt" / "step00000010" / rec["file"]).stat().st_size
+    assert rec["bytes"] == size and isinstance(rec["crc32"], int) and m["format"] == "hotspare-ckpt-1"
+    eng.close()
