@@ -84,6 +84,8 @@ def _job_endpoints(args: argparse.Namespace, job: str | None) -> list[str]:
     eps = record_endpoints(rec)
     if eps:
         return eps
+    if rec["info"].get("note"):  # e.g. an etcd inside a Kubernetes cluster: not reachable from here
+        raise CliError(f"job {job!r} runs on {rec['backend']} with its own etcd: {rec['info']['note']}")
     where = get(rec["backend"]).describe(rec["info"]) or "no scheduler state"
     raise CliError(f"job {job!r} was submitted to {rec['backend']} and its etcd is not up yet "
                    f"({where}); try again in a moment")
@@ -208,8 +210,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if getattr(args, "etcd", None) or os.environ.get("HOTSPARE_ETCD"):
             eps = _endpoints(args)
         print(f"# resolved spec\n{json.dumps(d, indent=2)}\n")
+        from .launchers import LaunchError
+
+        try:
+            rendered = _launcher(spec.backend).render(d, eps)
+        except (LaunchError, ValueError) as e:
+            raise CliError(f"{spec.backend}: {e}") from e
         print(f"# what `hotspare submit` would do ({spec.backend} backend)")
-        print(_launcher(spec.backend).render(d, eps))
+        print(rendered)
         return 0
     js, d, eps, info = _submit(args)
     where = f"etcd {','.join(eps)}" if eps else f"{d['backend']} (etcd starts inside the job)"
@@ -227,6 +235,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"running {d['name']} on {d['backend']}: {d['ranks']} ranks + {d['spares']} spare node(s), "
           f"{d['steps']} steps; logs in {info.get('log_dir')}", file=out)
     if js is None:
+        if not info.get("endpoints_file") and not info.get("endpoints"):
+            raise CliError(f"submitted {d['name']}, but `hotspare run` cannot watch it from here: "
+                           f"{info.get('note') or 'its etcd is not reachable from this machine'}")
         js, eps = _wait_for_etcd(args, d, out, args.timeout)
     embedded_dir = None
     if d["backend"] == "local" and not (args.etcd or os.environ.get("HOTSPARE_ETCD") or d["etcd"].get("endpoints")):
