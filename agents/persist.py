@@ -110,4 +110,4 @@ class Persister:
         if persist.try_finish(self.root, step, size, self.job):
             removed = persist.prune(self.root, self.keep)
             self.event("persisted", f"checkpoint of step {step} complete in {self.root}", step=step,
-                       path=str(persist.step_dir(self.root, step)), removed=removed)
+                       path=str(persist.checkpoint_path(self.root, step)), removed=removed)

@@ -434,7 +434,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     js.store.put(js.keys.checkpoint, json.dumps({"step": step, "time": time.time()}))
     root = spec.get("persist_path") or str(Path(spec["output_dir"]) / "checkpoints")
     print(f"checkpoint requested at step {step} (the next replication point); it goes to "
-          f"{persist.step_dir(root, step)}", flush=True)
+          f"{persist.checkpoint_path(root, step)}", flush=True)
     if args.no_wait:
         return 0
     start = time.monotonic()
@@ -447,7 +447,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
         if args.timeout and time.monotonic() - start > args.timeout:
             raise CliError(f"step {step} not persisted after --timeout {args.timeout:.0f}s")
         time.sleep(0.2)
-    print(f"persisted: {persist.step_dir(root, step)} (manifest written)")
+    print(f"persisted: {persist.checkpoint_path(root, step)} (manifest written)")
     return 0
 
 

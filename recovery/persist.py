@@ -49,6 +49,74 @@ def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step{step:08d}"
 
 
+def _remote(root: str | Path):
+    """(fsspec filesystem, path) when ``root`` is a URL (s3://, gs://, memory://, file://...),
+    else None: plain directories use the os module directly (atomic renames, fsync)."""
+    if not isinstance(root, str) or "://" not in root:
+        return None
+    try:
+        import fsspec
+    except ImportError as e:
+        raise CheckpointError(f"{root}: persist_path is a URL, which needs fsspec "
+                              "(pip install fsspec plus the filesystem's package, e.g. s3fs)") from e
+    return fsspec.core.url_to_fs(root)
+
+
+def checkpoint_path(root: str | Path, step: int) -> str:
+    """Where step's checkpoint lives, as text (a directory or a URL)."""
+    return _join(root, step_dir("", step).name)
+
+
+def _join(root: str | Path, *parts: str) -> str:
+    """Display/URL form of a path under root."""
+    return "/".join([str(root).rstrip("/"), *parts])
+
+
+def _read(root: str | Path, *parts: str) -> bytes:
+    rem = _remote(root)
+    if rem is None:
+        return Path(root, *parts).read_bytes()
+    fs, base = rem
+    try:
+        return fs.cat_file(_join(base, *parts))
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - each filesystem has its own errors
+        raise OSError(str(e)) from e
+
+
+def _exists(root: str | Path, *parts: str) -> bool:
+    rem = _remote(root)
+    if rem is None:
+        return Path(root, *parts).exists()
+    fs, base = rem
+    return fs.exists(_join(base, *parts))
+
+
+def _write_small(root: str | Path, data: dict, *parts: str) -> None:
+    """A JSON record: atomically (rename) on a directory, one PUT on an object store."""
+    rem = _remote(root)
+    if rem is None:
+        _atomic_json(Path(root, *parts), data)
+        return
+    fs, base = rem
+    fs.pipe_file(_join(base, *parts), json.dumps(data, indent=1, sort_keys=True).encode())
+
+
+def _step_names(root: str | Path) -> list[str]:
+    rem = _remote(root)
+    if rem is None:
+        try:
+            return [p.name for p in Path(root).iterdir()]
+        except OSError:
+            return []
+    fs, base = rem
+    try:
+        return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)]
+    except (FileNotFoundError, OSError):
+        return []
+
+
 # -- writing (agent side) -----------------------------------------------------------------
 @dataclass
 class SlotView:
@@ -154,6 +222,11 @@ def write_rank(view: SlotView, root: str | Path, *, rank: int, job: str, epoch: 
     meta = {"hotspare.meta": json.dumps(h["meta"], separators=(",", ":")), "hotspare.rank": str(rank),
             "hotspare.step": str(step), "hotspare.job": job}
     head, spans = _st_header(h["tensors"], meta)
+    rem = _remote(root)
+    if rem is not None and not local_dir:  # an object store: stage on local disk first
+        import tempfile
+
+        local_dir = Path(tempfile.gettempdir()) / "hotspare-persist"
     first = Path(local_dir) / job if local_dir else Path(root)
     d = step_dir(first, step)
     d.mkdir(parents=True, exist_ok=True)
@@ -186,17 +259,26 @@ def write_rank(view: SlotView, root: str | Path, *, rank: int, job: str, epoch: 
     rec = {"rank": rank, "step": step, "epoch": epoch, "file": name, "bytes": size, "crc32": crc,
            "write_s": round(time.perf_counter() - t0, 4)}
     if local_dir:  # local SSD -> shared path
-        dst = step_dir(root, step)
-        dst.mkdir(parents=True, exist_ok=True)
-        _copy(d / name, dst / name)
-        (d / name).unlink(missing_ok=True)
+        sub = step_dir("", step).name
         try:
-            d.rmdir()
-        except OSError:
-            pass
-        d = dst
-    _fsync_dir(d)
-    _atomic_json(d / f"rank{rank}.json", rec)
+            if rem is not None:
+                fs, base = rem
+                fs.makedirs(_join(base, sub), exist_ok=True)
+                fs.put_file(str(d / name), _join(base, sub, name))
+            else:
+                dst = step_dir(root, step)
+                dst.mkdir(parents=True, exist_ok=True)
+                _copy(d / name, dst / name)
+                _fsync_dir(dst)
+        finally:
+            (d / name).unlink(missing_ok=True)
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+    else:
+        _fsync_dir(d)
+    _write_small(root, rec, step_dir("", step).name, f"rank{rank}.json")
     return rec
 
 
@@ -216,18 +298,19 @@ def _copy(src: Path, dst: Path) -> None:
 def try_finish(root: str | Path, step: int, world_size: int, job: str) -> bool:
     """Write the manifest if every rank's record is there (whoever completes the set does it;
     two writers write the same content atomically). True if this call completed it."""
-    d = step_dir(root, step)
-    if (d / "manifest.json").exists():
+    sub = step_dir("", step).name
+    if _exists(root, sub, "manifest.json"):
         return False
     recs = {}
     for r in range(world_size):
         try:
-            recs[str(r)] = json.loads((d / f"rank{r}.json").read_text())
+            recs[str(r)] = json.loads(_read(root, sub, f"rank{r}.json"))
         except (OSError, ValueError):
             return False
-    _atomic_json(d / "manifest.json", {"job": job, "step": step, "world_size": world_size,
-                                       "files": recs, "time": time.time(), "format": "hotspare-ckpt-1"})
-    _fsync_dir(d)
+    _write_small(root, {"job": job, "step": step, "world_size": world_size, "files": recs,
+                        "time": time.time(), "format": "hotspare-ckpt-1"}, sub, "manifest.json")
+    if _remote(root) is None:
+        _fsync_dir(step_dir(root, step))
     return True
 
 
@@ -239,14 +322,21 @@ def prune(root: str | Path, keep: int) -> list[int]:
         return []
     newest, keep_set = complete[-1], set(complete[-keep:])
     gone = []
-    for p in Path(root).iterdir():
-        m = _STEP_DIR.match(p.name)
+    rem = _remote(root)
+    for name in _step_names(root):
+        m = _STEP_DIR.match(name)
         if not m:
             continue
         s = int(m.group(1))
         if s in keep_set or s > newest:
             continue
-        shutil.rmtree(p, ignore_errors=True)
+        if rem is None:
+            shutil.rmtree(Path(root, name), ignore_errors=True)
+        else:
+            try:
+                rem[0].rm(_join(rem[1], name), recursive=True)
+            except (FileNotFoundError, OSError):
+                pass
         gone.append(s)
     return sorted(gone)
 
@@ -254,22 +344,19 @@ def prune(root: str | Path, keep: int) -> list[int]:
 # -- reading -------------------------------------------------------------------------------
 def complete_steps(root: str | Path) -> list[int]:
     """Steps with a manifest (complete checkpoints), oldest first."""
-    try:
-        entries = list(Path(root).iterdir())
-    except OSError:
-        return []
     out = []
-    for p in entries:
-        m = _STEP_DIR.match(p.name)
-        if m and (p / "manifest.json").is_file():
+    for name in _step_names(root):
+        m = _STEP_DIR.match(name)
+        if m and _exists(root, name, "manifest.json"):
             out.append(int(m.group(1)))
     return sorted(out)
 
 
 def read_manifest(root: str | Path, step: int) -> dict:
-    f = step_dir(root, step) / "manifest.json"
+    sub = step_dir("", step).name
+    f = _join(root, sub, "manifest.json")
     try:
-        m = json.loads(f.read_text())
+        m = json.loads(_read(root, sub, "manifest.json"))
         if not isinstance(m, dict) or not isinstance(m.get("files"), dict) or "world_size" not in m:
             raise ValueError("not a hotspare checkpoint manifest")
         return m
@@ -285,11 +372,11 @@ def read_rank_bytes(root: str | Path, step: int, rank: int, manifest: dict | Non
     m = manifest or read_manifest(root, step)
     rec = m["files"].get(str(rank))
     if rec is None:
-        raise CheckpointError(f"{step_dir(root, step) / 'manifest.json'}: no entry for rank {rank} "
-                              f"(world size {m['world_size']})")
-    f = step_dir(root, step) / rec["file"]
+        raise CheckpointError(f"{_join(root, step_dir('', step).name, 'manifest.json')}: no entry for "
+                              f"rank {rank} (world size {m['world_size']})")
+    f = _join(root, step_dir("", step).name, rec["file"])
     try:
-        raw = f.read_bytes()
+        raw = _read(root, step_dir("", step).name, rec["file"])
     except OSError as e:
         raise CheckpointError(f"{f}: {e.strerror or e}") from e
     if len(raw) != rec["bytes"]:
@@ -315,7 +402,7 @@ def load_rank(root: str | Path, step: int, rank: int, manifest: dict | None = No
         tensors = st_load(raw)
         meta = json.loads(header["__metadata__"]["hotspare.meta"])
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-        f = step_dir(root, step) / f"rank{rank}.safetensors"
+        f = _join(root, step_dir("", step).name, f"rank{rank}.safetensors")
         raise CheckpointError(f"{f}: unreadable safetensors data ({e})") from e
     return tensors, meta
 

@@ -395,7 +395,7 @@ class Session:
         self.snapshots.wait()
         self._dirty = False
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        return {"source": f"persisted checkpoint {persist.step_dir(root, step)}", "bytes": nbytes,
+        return {"source": f"persisted checkpoint {persist.checkpoint_path(root, step)}", "bytes": nbytes,
                 "seconds": round(time.time() - t0, 4)}
 
     def _fetch(self, step: int, holders: list[tuple[str, str, int]]) -> tuple[dict, bytes, str]:

@@ -152,3 +152,32 @@ def test_manifest_names_every_rank_with_size_and_checksum(tmp_path):
     size = (tmp_path / "ckpt" / "step00000010" / rec["file"]).stat().st_size
     assert rec["bytes"] == size and isinstance(rec["crc32"], int) and m["format"] == "hotspare-ckpt-1"
     eng.close()
+
+
+def test_fsspec_url_as_the_shared_path(tmp_path):
+    """persist_path may be any fsspec URL: staged on local disk, then put; the manifest last."""
+    import fsspec
+
+    eng, model, opt = _engine(tmp_path)
+    events: list = []
+    url = "memory://hotspare-test/ckpt"
+    s = {"persist_every": 10, "persist_path": url, "output_dir": str(tmp_path),
+         "persist_local_dir": str(tmp_path / "ssd"), "persist_keep": 1}
+    p = Persister(eng.dir, s, job="t", local_ranks=lambda: {0}, world=lambda: (1, 1),
+                  requested=lambda: None, event=lambda kind, msg, **d: events.append((kind, msg, d)))
+    _train_to(eng, model, opt, 10)
+    p.persist_once()
+    _train_to(eng, model, opt, 20, start=11)
+    p.persist_once()
+    assert persist.complete_steps(url) == [20]  # keep 1: step 10 pruned
+    assert events[-1][2]["path"] == url + "/step00000020"
+    st = persist.load_checkpoint(url)
+    for name, t in model.state_dict().items():
+        assert torch.equal(st.ranks[0][f"model.params/{name}"], t)
+    fs = fsspec.filesystem("memory")
+    raw = fs.cat_file("/hotspare-test/ckpt/step00000020/rank0.safetensors")
+    fs.pipe_file("/hotspare-test/ckpt/step00000020/rank0.safetensors", raw[:-10])
+    with pytest.raises(persist.CheckpointError, match=r"memory://hotspare-test/ckpt/step00000020/rank0.safetensors: truncated"):
+        persist.load_checkpoint(url)
+    fs.rm("/hotspare-test", recursive=True)
+    eng.close()
