@@ -40,19 +40,9 @@ POLL = 0.1  # worker supervision period: a worker death is reported within this
 
 
 def store_from_env(env: dict[str, str] | None = None) -> Store:
-    """The etcd connection a hotspare process inherits through its environment."""
-    e = os.environ if env is None else env
-    endpoints = [x for x in e.get("HOTSPARE_ETCD", "").split(",") if x]
-    if not endpoints:
-        raise RuntimeError("HOTSPARE_ETCD is not set (comma-separated etcd endpoints)")
-    return Store(
-        endpoints,
-        ca_cert=e.get("HOTSPARE_ETCD_CA") or None,
-        cert=e.get("HOTSPARE_ETCD_CERT") or None,
-        key=e.get("HOTSPARE_ETCD_KEY") or None,
-        user=e.get("HOTSPARE_ETCD_USER") or None,
-        password=e.get("HOTSPARE_ETCD_PASSWORD") or None,
-    )
+    """The etcd connection a hotspare process inherits through its environment
+    ($HOTSPARE_ETCD and the TLS/auth variables of :data:`orchestrator.store.ENV_OPTIONS`)."""
+    return Store.from_env(env=env)
 
 
 def sweep_stale_run_dirs(base: Path) -> None:

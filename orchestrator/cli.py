@@ -53,14 +53,53 @@ def _endpoints(args: argparse.Namespace, spec_endpoints: tuple[str, ...] = (), s
 
 
 def _store(endpoints: list[str]):
-    from .store import Store, StoreUnavailable
+    """A checked connection; TLS and auth come from the environment (flags and the spec's etcd
+    section are exported there, so agents and workers started from here connect the same way)."""
+    from .store import Store, StoreError, connect_error, store_options_from_env
 
-    st = Store(endpoints, timeout=5)
     try:
+        opts = store_options_from_env()
+    except ValueError as e:
+        raise CliError(str(e)) from e
+    st = None
+    try:
+        st = Store(endpoints, timeout=5, **opts)
         st.ping()
-    except StoreUnavailable as e:
-        raise CliError(f"cannot reach etcd at {', '.join(endpoints)}: {e}") from e
+    except (ValueError, StoreError) as e:
+        if st is not None:
+            st.close()
+        raise CliError(connect_error(endpoints[0], e, opts)) from e
     return st
+
+
+#: --etcd-* flags -> the Store option they set (through the environment, see ENV_OPTIONS).
+_ETCD_FLAGS = {"etcd_ca": "ca_cert", "etcd_cert": "cert", "etcd_key": "key", "etcd_user": "user"}
+
+
+def _export_etcd_flags(args: argparse.Namespace) -> None:
+    """TLS/auth flags go into this process's environment: every Store made here and every
+    agent and worker started from here uses them."""
+    from .store import ENV_OPTIONS, PASSWORD_FILE_ENV
+
+    for flag, opt in _ETCD_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value:
+            os.environ[ENV_OPTIONS[opt]] = value if opt == "user" else os.path.abspath(value)
+    if getattr(args, "etcd_password_file", None):
+        os.environ[PASSWORD_FILE_ENV] = os.path.abspath(args.etcd_password_file)
+        os.environ.pop(ENV_OPTIONS["password"], None)  # the explicit flag wins
+
+
+def _export_spec_etcd(spec) -> None:
+    """The spec's etcd TLS and auth settings, for this process and the ones it starts, where
+    flags and the environment give none (they win, as --etcd wins over etcd.endpoints)."""
+    from .store import ENV_OPTIONS, PASSWORD_FILE_ENV
+
+    for opt, var in ENV_OPTIONS.items():
+        value = getattr(spec.etcd, opt)
+        given = os.environ.get(var) or (opt == "password" and os.environ.get(PASSWORD_FILE_ENV))
+        if value and not given:
+            os.environ[var] = value
 
 
 def _launched(args: argparse.Namespace, job: str | None) -> dict | None:
@@ -121,6 +160,8 @@ def _load(args: argparse.Namespace):
     except SpecError as e:
         raise CliError(str(e)) from e
     d = spec.to_dict()
+    _export_spec_etcd(spec)
+    d["etcd"]["password"] = None  # never stored, printed or shipped: processes inherit it (env)
     if not d.get("output_dir"):
         d["output_dir"] = str(_state_dir(args) / "jobs" / spec.name)
     return spec, d
@@ -698,6 +739,14 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--etcd", help="etcd endpoint(s), comma-separated (default: $HOTSPARE_ETCD, "
                         "else the embedded cluster)")
     common.add_argument("--state-dir", help="embedded cluster state (default: $HOTSPARE_STATE_DIR or ~/.hotspare)")
+    common.add_argument("--etcd-ca", metavar="PEM", help="CA certificate of an https:// etcd "
+                        "(default: $HOTSPARE_ETCD_CA, else the spec's etcd.ca_cert)")
+    common.add_argument("--etcd-cert", metavar="PEM", help="client certificate for etcd (default: $HOTSPARE_ETCD_CERT)")
+    common.add_argument("--etcd-key", metavar="PEM", help="client key for etcd (default: $HOTSPARE_ETCD_KEY)")
+    common.add_argument("--etcd-user", help="etcd user (default: $HOTSPARE_ETCD_USER); the password comes "
+                        "from $HOTSPARE_ETCD_PASSWORD or --etcd-password-file, never a flag")
+    common.add_argument("--etcd-password-file", metavar="FILE", help="file whose first line is the etcd "
+                        "password (default: $HOTSPARE_ETCD_PASSWORD_FILE)")
     p = argparse.ArgumentParser(
         prog="hotspare", description="Fault-tolerant elastic training for PyTorch: a failed rank is "
         "replaced by a warm hot spare while every other process keeps running.",
@@ -801,15 +850,23 @@ Every injection is an event (`hotspare events JOB`).""")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .store import StoreError
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # gRPC's core logs TLS handshake failures to stderr on its own; ours say what they mean
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    _export_etcd_flags(args)
     try:
         return args.fn(args)
     except CliError as e:
         print(f"hotspare {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except StoreError as e:
+        print(f"hotspare {args.cmd}: error: etcd: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -50,6 +50,14 @@ class EtcdServer:
     #: Address clients use. Loopback (the default) listens on loopback only; any other address
     #: (a node's IP, for etcd inside a Slurm allocation) listens on every interface.
     host: str = "127.0.0.1"
+    #: Serve https: (CA that client certificates must be signed by, server certificate, its
+    #: key). Clients must present a certificate (--client-cert-auth); the health check presents
+    #: the server's own, so it needs extendedKeyUsage clientAuth too.
+    tls: tuple[str, str, str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tls:
+            self.scheme = "https"
 
     @property
     def endpoint(self) -> str:
@@ -80,7 +88,11 @@ class EtcdServer:
             "--quota-backend-bytes", str(2 * 1024**3),
             "--auto-compaction-mode", "revision",
             "--auto-compaction-retention", "10000",
-        ] + (extra_args or [])
+        ]
+        if self.tls:
+            ca, cert, key = self.tls
+            args += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth"]
+        args += extra_args or []
         out = open(log_path, "ab") if log_path else subprocess.DEVNULL
         env = dict(os.environ)
         env.setdefault("ETCD_UNSUPPORTED_ARCH", os.uname().machine if os.uname().machine != "x86_64" else "")
@@ -95,11 +107,17 @@ class EtcdServer:
     def wait_ready(self, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
         last = ""
+        ctx = None
+        if self.tls:
+            import ssl
+
+            ctx = ssl.create_default_context(cafile=self.tls[0])
+            ctx.load_cert_chain(self.tls[1], self.tls[2])
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with code {self.proc.returncode} while starting")
             try:
-                with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1) as r:
+                with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1, context=ctx) as r:
                     if b'"health":"true"' in r.read():
                         return
             except OSError as e:

@@ -49,11 +49,11 @@ def write_spec(tmp: Path, **fields) -> Path:
 class Cluster:
     """A real etcd plus the processes a test starts against it; all killed at teardown."""
 
-    def __init__(self, etcd, tmp_path: Path) -> None:
+    def __init__(self, etcd, tmp_path: Path, **store_options) -> None:
         self.etcd = etcd
         self.endpoint = etcd.endpoint
         self.tmp = tmp_path
-        self.store = Store([self.endpoint])
+        self.store = Store([self.endpoint], **store_options)  # TLS/auth: Store's keyword arguments
         self.procs: list[subprocess.Popen] = []
         self.env = dict(os.environ, HOTSPARE_ETCD=self.endpoint, HOTSPARE_STATE_DIR=str(tmp_path / "state"),
                         PYTHONUNBUFFERED="1")

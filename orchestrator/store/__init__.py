@@ -4,13 +4,27 @@ Public surface: :class:`Store` (connection), :class:`JobStore` (one job's typed 
 the records, and the error hierarchy.
 """
 
-from .client import KV, Compare, Lease, Store, parse_endpoint, wait_until
+from .client import (
+    ENV_OPTIONS,
+    KV,
+    PASSWORD_FILE_ENV,
+    Compare,
+    Lease,
+    Store,
+    TokenExpired,
+    connect_error,
+    parse_endpoint,
+    store_options_from_env,
+    wait_until,
+)
 from .errors import Conflict, LeaseLost, StoreError, StoreUnavailable
 from .job import JobKeys, JobSnapshot, JobStore, list_jobs, parse_snapshot
 from .records import Event, JobState, Node, Progress, Report, Seat, World
 
 __all__ = [
+    "ENV_OPTIONS",
     "KV",
+    "PASSWORD_FILE_ENV",
     "Compare",
     "Conflict",
     "Event",
@@ -27,9 +41,12 @@ __all__ = [
     "Store",
     "StoreError",
     "StoreUnavailable",
+    "TokenExpired",
     "World",
+    "connect_error",
     "list_jobs",
     "parse_endpoint",
     "parse_snapshot",
+    "store_options_from_env",
     "wait_until",
 ]

@@ -8,11 +8,14 @@ writes are plain puts that may fail without harm.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlparse
 
 from .errors import Conflict, LeaseLost, StoreError, StoreUnavailable
@@ -20,6 +23,24 @@ from .errors import Conflict, LeaseLost, StoreError, StoreUnavailable
 log = logging.getLogger(__name__)
 
 ROOT = "/hotspare/"
+
+T = TypeVar("T")
+
+#: How a process learns the etcd connection's TLS and auth settings: the CLI sets these from its
+#: flags or the job spec, and every agent and worker it starts inherits them (never through etcd).
+ENV_OPTIONS: dict[str, str] = {
+    "ca_cert": "HOTSPARE_ETCD_CA",
+    "cert": "HOTSPARE_ETCD_CERT",
+    "key": "HOTSPARE_ETCD_KEY",
+    "user": "HOTSPARE_ETCD_USER",
+    "password": "HOTSPARE_ETCD_PASSWORD",
+}
+#: A file holding the password (first line), read when $HOTSPARE_ETCD_PASSWORD is not set.
+PASSWORD_FILE_ENV = "HOTSPARE_ETCD_PASSWORD_FILE"
+
+
+class TokenExpired(StoreUnavailable):
+    """etcd no longer knows our auth token (it restarted: simple tokens live in its memory)."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +74,9 @@ def _translate(what: str) -> Iterator[None]:
             raise StoreUnavailable(f"etcd unavailable during {what}: {e}") from e
         raise
     except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, ex.NoServerAvailableError) as e:
-        raise StoreUnavailable(f"etcd unavailable during {what}: {type(e).__name__}") from e
+        details = _grpc_details(e)
+        raise StoreUnavailable(f"etcd unavailable during {what}: {type(e).__name__}"
+                               + (f" ({details})" if details else "")) from e
     except ex.PreconditionFailedError as e:
         raise Conflict(f"{what}: precondition failed") from e
     except ex.Etcd3Exception as e:
@@ -61,11 +84,22 @@ def _translate(what: str) -> Iterator[None]:
     except grpc.RpcError as e:
         code = e.code() if hasattr(e, "code") else None
         name = getattr(code, "name", str(code))
+        details = (e.details() if hasattr(e, "details") else str(e)) or ""
         if name in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"):
-            raise StoreUnavailable(f"etcd unavailable during {what}: {name}") from e
-        if name == "NOT_FOUND" and "lease" in (e.details() or ""):
-            raise LeaseLost(f"{what}: {e.details()}") from e
-        raise StoreError(f"{what}: {name}: {e.details() if hasattr(e, 'details') else e}") from e
+            raise StoreUnavailable(f"etcd unavailable during {what}: {name}: {details}") from e
+        if name == "NOT_FOUND" and "lease" in details:
+            raise LeaseLost(f"{what}: {details}") from e
+        if name == "UNAUTHENTICATED" and "invalid auth token" in details:
+            raise TokenExpired(f"{what}: {details}") from e
+        raise StoreError(f"{what}: {name}: {details}") from e
+
+
+def _grpc_details(e: BaseException) -> str:
+    """What gRPC said under an etcd3 exception (python3-etcd3 raises its own, detail-free
+    exceptions from inside the handler of the gRPC error, so that error is the context)."""
+    inner = e.__context__
+    details = getattr(inner, "details", None)
+    return (details() or "") if callable(details) else ""
 
 
 def _patch_etcd3() -> None:
@@ -87,6 +121,91 @@ def parse_endpoint(url: str) -> tuple[str, int, bool]:
     return u.hostname, u.port, u.scheme == "https"
 
 
+def store_options_from_env(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """TLS and auth keyword arguments for :class:`Store` from :data:`ENV_OPTIONS` (and the
+    password file)."""
+    e = os.environ if env is None else env
+    opts = {name: e.get(var) or None for name, var in ENV_OPTIONS.items()}
+    if opts["password"] is None and e.get(PASSWORD_FILE_ENV):
+        path = e[PASSWORD_FILE_ENV]
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as exc:
+            raise ValueError(f"cannot read the etcd password file {path} (${PASSWORD_FILE_ENV}): "
+                             f"{exc.strerror}") from exc
+        opts["password"] = lines[0] if lines and lines[0] else None
+    return opts
+
+
+def _check_options(endpoint: str, tls: bool, ca_cert: str | None, cert: str | None, key: str | None,
+                   user: str | None, password: str | None) -> None:
+    """Configuration mistakes as one clear ValueError before any connection attempt."""
+    files = {"ca_cert": ca_cert, "cert": cert, "key": key}
+    given = [name for name, path in files.items() if path]
+    if not tls and given:
+        raise ValueError(f"{endpoint} is plain http but TLS files are given ({', '.join(given)}): "
+                         f"use an https:// endpoint for an etcd that serves TLS")
+    if tls and not ca_cert:
+        raise ValueError("https needs the CA certificate that signed etcd's (etcd.ca_cert in the "
+                         f"spec, --etcd-ca or ${ENV_OPTIONS['ca_cert']})")
+    if (cert is None) != (key is None):
+        raise ValueError(f"{'cert' if cert else 'key'} is given without {'key' if cert else 'cert'} "
+                         "(a client certificate needs both)")
+    if (user is None) != (password is None):
+        raise ValueError(f"etcd user {user} has no password (set ${ENV_OPTIONS['password']}, "
+                         f"${PASSWORD_FILE_ENV} or --etcd-password-file)" if user else
+                         "an etcd password is given but no user (etcd.user, --etcd-user)")
+    for name in given:
+        try:
+            with open(files[name], "rb"):
+                pass
+        except OSError as e:
+            raise ValueError(f"etcd {name} {files[name]}: {e.strerror}") from e
+
+
+def connect_hint(error: BaseException, *, tls: bool, client_cert: bool) -> str:
+    """The likely fix for a failed connection, read from what gRPC or etcd said ("" if none)."""
+    msg = str(error)
+    low = msg.lower()
+    if "authentication failed" in low:
+        return ("wrong etcd user or password (etcd.user in the spec or --etcd-user; the password "
+                f"from etcd.password, ${ENV_OPTIONS['password']} or ${PASSWORD_FILE_ENV})")
+    if "user name is empty" in low:
+        return ("this etcd has authentication enabled: give a user (etcd.user or --etcd-user) and "
+                f"its password (etcd.password, ${ENV_OPTIONS['password']} or ${PASSWORD_FILE_ENV})")
+    if "authentication is not enabled" in low:
+        return "this etcd has authentication disabled: remove the etcd user and password"
+    if "permission denied" in low:
+        return ("the etcd user's role lacks access to hotspare's keys: grant it readwrite on the "
+                "range /hotspare to /hotspare0 (see docs/security.md)")
+    if "certificate_verify_failed" in low or "certificate verify failed" in low:
+        return ("the server's certificate is not signed by the CA in ca_cert (--etcd-ca, "
+                f"${ENV_OPTIONS['ca_cert']}), or it does not name this host in its subjectAltName")
+    if any(w in low for w in ("tsi_data_corrupted", "bad_certificate", "certificate_required",
+                              "unknown_ca", "alert")):
+        if not client_cert:
+            return ("the server requires a client certificate: give cert and key (etcd.cert/etcd.key, "
+                    "--etcd-cert/--etcd-key) signed by a CA it trusts")
+        return "the server rejected the client certificate: is it signed by a CA the server trusts?"
+    if "connection refused" in low:
+        return "nothing listens there: is etcd running, and are the host and port right?"
+    if tls and ("socket closed" in low or "wrong_version_number" in low or "handshake" in low):
+        return "the server did not complete a TLS handshake: if it serves plain http, use http://"
+    if not tls and ("socket closed" in low or "connection reset" in low):
+        return ("the server closed the connection: if it serves TLS, use an https:// endpoint and "
+                "give its CA (etcd.ca_cert, --etcd-ca)")
+    if "deadline" in low or "timeout" in low:
+        return "no answer in time: is the host reachable (firewall, wrong address)?"
+    return ""
+
+
+def connect_error(endpoint: str, error: BaseException, options: Mapping[str, str | None]) -> str:
+    """One line for a user: which endpoint, what went wrong, and the likely fix. ``options``
+    are the Store's TLS and auth keyword arguments."""
+    hint = connect_hint(error, tls=parse_endpoint(endpoint)[2], client_cert=bool(options.get("cert")))
+    return f"cannot use etcd at {endpoint}: {error}" + (f"; {hint}" if hint else "")
+
+
 class Lease:
     """An etcd lease kept alive by a daemon thread well inside its TTL.
 
@@ -98,8 +217,7 @@ class Lease:
     def __init__(self, store: Store, ttl: int) -> None:
         self._store = store
         self.ttl = int(ttl)
-        with _translate("lease grant"):
-            self._lease = store._client.lease(self.ttl)
+        self._lease = store._call("lease grant", lambda: store._client.lease(self.ttl))
         self.id: int = self._lease.id
         self.lost = threading.Event()
         self._stop = threading.Event()
@@ -113,8 +231,8 @@ class Lease:
             if self._paused.is_set():
                 continue
             try:
-                with _translate("lease keepalive"):
-                    responses = list(self._store._client.refresh_lease(self.id))
+                responses = self._store._call(
+                    "lease keepalive", lambda: list(self._store._client.refresh_lease(self.id)))
                 if responses and responses[0].TTL <= 0:
                     log.warning("lease %x expired", self.id)
                     self.lost.set()
@@ -133,8 +251,7 @@ class Lease:
     def revoke(self) -> None:
         self._stop.set()
         try:
-            with _translate("lease revoke"):
-                self._store._client.revoke_lease(self.id)
+            self._store._call("lease revoke", lambda: self._store._client.revoke_lease(self.id))
         except StoreError:
             pass
 
@@ -143,7 +260,13 @@ class Lease:
 
 
 class Store:
-    """Connection to etcd with the handful of operations hotspare needs."""
+    """Connection to etcd with the handful of operations hotspare needs.
+
+    An ``https://`` endpoint means TLS: ``ca_cert`` verifies the server, ``cert``/``key`` are
+    the client certificate when etcd asks for one (``--client-cert-auth``). ``user`` and
+    ``password`` authenticate to an etcd with auth enabled; the password is kept in this
+    object only, to renew the token when etcd forgets it.
+    """
 
     def __init__(
         self,
@@ -162,10 +285,13 @@ class Store:
         if not endpoints:
             raise ValueError("Store needs at least one etcd endpoint")
         self.endpoints = list(endpoints)
-        host, port, tls = parse_endpoint(self.endpoints[0])
-        if tls and not ca_cert:
-            raise ValueError(f"{self.endpoints[0]} is https: give the etcd CA certificate (ca_cert)")
-        with _translate("connect"):
+        self.endpoint = self.endpoints[0]
+        host, port, tls = parse_endpoint(self.endpoint)
+        _check_options(self.endpoint, tls, ca_cert, cert, key, user, password)
+        self._timeout = timeout
+        self._credentials = (user, password) if user is not None else None
+        self._token_lock = threading.Lock()
+        with _translate("connect"):  # with a user, this authenticates (the first RPC)
             self._client = etcd3.client(
                 host=host,
                 port=port,
@@ -183,44 +309,88 @@ class Store:
                     ("grpc.max_reconnect_backoff_ms", 1000),
                 ],
             )
+        # python3-etcd3 sends the auth token twice, as metadata and as gRPC call credentials;
+        # gRPC refuses call credentials on a plaintext channel. etcd reads the metadata.
+        self._client.call_credentials = None
         # python3-etcd3 marks an endpoint "failed" for 300 s after one error: with a single
         # endpoint the client would be useless for 5 minutes after a blip. Retry at once.
         for ep in getattr(self._client, "endpoints", {}).values():
             ep.time_retry = 0.0
 
+    @classmethod
+    def from_env(
+        cls, endpoints: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
+        timeout: float = 5.0,
+    ) -> Store:
+        """The connection a hotspare process inherits: endpoints from ``$HOTSPARE_ETCD``
+        (unless given), TLS and auth from :data:`ENV_OPTIONS`."""
+        e = os.environ if env is None else env
+        if endpoints is None:
+            endpoints = [x for x in e.get("HOTSPARE_ETCD", "").split(",") if x]
+            if not endpoints:
+                raise ValueError("HOTSPARE_ETCD is not set (comma-separated etcd endpoints)")
+        return cls(endpoints, timeout=timeout, **store_options_from_env(e))
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run one etcd request with errors translated. An auth token etcd no longer knows
+        is renewed (once per expiry, whichever thread sees it first) and the request retried."""
+        token = self._client.metadata
+        try:
+            with _translate(what):
+                return fn()
+        except TokenExpired:
+            if self._credentials is None:
+                raise
+            self._renew_token(token)
+        with _translate(what):
+            return fn()
+
+    def _renew_token(self, stale: object) -> None:
+        from etcd3 import etcdrpc
+
+        user, password = self._credentials
+        with self._token_lock:
+            if self._client.metadata is not stale:
+                return  # another thread renewed it meanwhile
+            with _translate("authenticate"):
+                resp = self._client.authstub.Authenticate(
+                    etcdrpc.AuthenticateRequest(name=user, password=password), self._timeout)
+            self._client.metadata = (("token", resp.token),)
+            watcher = self._client._stubs.get("watcher")
+            if watcher is not None:  # it copied the old token for the streams it opens
+                watcher._metadata = self._client.metadata
+        log.info("etcd auth token renewed for user %s", user)
+
     # -- reads ------------------------------------------------------------------------
     def get(self, key: str) -> KV | None:
-        with _translate(f"get {key}"):
-            value, meta = self._client.get(key)
+        value, meta = self._call(f"get {key}", lambda: self._client.get(key))
         if value is None:
             return None
         return KV(key, value, meta.mod_revision, meta.create_revision)
 
     def get_prefix(self, prefix: str) -> tuple[list[KV], int]:
         """All keys under ``prefix`` at one revision, and that revision."""
-        with _translate(f"get_prefix {prefix}"):
-            resp = self._client.get_prefix_response(prefix, sort_order="ascend", sort_target="key")
+        resp = self._call(f"get_prefix {prefix}", lambda: self._client.get_prefix_response(
+            prefix, sort_order="ascend", sort_target="key"))
         kvs = [
             KV(kv.key.decode(), kv.value, kv.mod_revision, kv.create_revision) for kv in resp.kvs
         ]
         return kvs, resp.header.revision
 
     def ping(self) -> None:
-        with _translate("status"):
-            self._client.status()
+        """One read of hotspare's root key: proves the connection, the credentials and the
+        permission to read (etcd answers a status request even without credentials)."""
+        self._call(f"get {ROOT}", lambda: self._client.get(ROOT))
 
     # -- writes -----------------------------------------------------------------------
     def put(self, key: str, value: bytes | str, lease: Lease | None = None) -> None:
-        with _translate(f"put {key}"):
-            self._client.put(key, value, lease=lease.id if lease else None)
+        self._call(f"put {key}", lambda: self._client.put(key, value, lease=lease.id if lease else None))
 
     def delete(self, key: str) -> None:
-        with _translate(f"delete {key}"):
-            self._client.delete(key)
+        self._call(f"delete {key}", lambda: self._client.delete(key))
 
     def delete_prefix(self, prefix: str) -> None:
-        with _translate(f"delete_prefix {prefix}"):
-            self._client.delete_prefix(prefix)
+        self._call(f"delete_prefix {prefix}", lambda: self._client.delete_prefix(prefix))
 
     def create(self, key: str, value: bytes | str, lease: Lease | None = None) -> bool:
         """Put ``key`` only if it does not exist. True if we created it."""
@@ -254,8 +424,7 @@ class Store:
             )
         ops = [tx.put(k, v, lease=lease.id if lease else None) for k, v in (puts or {}).items()]
         ops += [tx.delete(k) for k in deletes]
-        with _translate("txn"):
-            ok, _ = c.transaction(compare=guards, success=ops, failure=[])
+        ok, _ = self._call("txn", lambda: c.transaction(compare=guards, success=ops, failure=[]))
         return bool(ok)
 
     def lease(self, ttl: float) -> Lease:
@@ -288,16 +457,16 @@ class Store:
                     if state["cancelled"]:
                         return
                     try:
-                        with _translate(f"watch {prefix}"):
-                            state["id"] = self._client.add_watch_prefix_callback(prefix, on_event)
+                        state["id"] = self._call(f"watch {prefix}", lambda: self._client.add_watch_prefix_callback(
+                            prefix, on_event))
                         return
                     except (StoreError, ValueError) as e:
                         log.debug("watch on %s not established: %s", prefix, e)
                 delay = 1.0
 
         try:
-            with _translate(f"watch {prefix}"):
-                state["id"] = self._client.add_watch_prefix_callback(prefix, on_event)
+            state["id"] = self._call(f"watch {prefix}", lambda: self._client.add_watch_prefix_callback(
+                prefix, on_event))
         except StoreError:
             threading.Thread(target=establish, args=(1.0,), daemon=True).start()
 

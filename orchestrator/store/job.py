@@ -208,7 +208,7 @@ class JobStore:
         ok = self.store.txn(
             [Compare(self.keys.spec, "create", "==", 0)],
             puts={
-                self.keys.spec: json.dumps(spec, sort_keys=True),
+                self.keys.spec: json.dumps(without_secrets(spec), sort_keys=True),
                 self.keys.secret: secret,
                 self.keys.state: json.dumps({"state": "pending", "time": time.time()}),
             },
@@ -260,6 +260,15 @@ class JobStore:
             ):
                 out.append(json.loads(kv.value))
         return out
+
+
+def without_secrets(spec: dict) -> dict:
+    """The spec as it may be stored: every reader of etcd sees the spec, so the etcd password
+    is dropped (processes get it from their environment, see docs/security.md)."""
+    etcd = spec.get("etcd")
+    if isinstance(etcd, dict) and etcd.get("password") is not None:
+        spec = {**spec, "etcd": {**etcd, "password": None}}
+    return spec
 
 
 def list_jobs(store: Store) -> list[str]:
