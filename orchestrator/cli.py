@@ -204,8 +204,8 @@ def _submit(args: argparse.Namespace):
     try:
         info = launcher.launch(d, eps)
     except LaunchError as e:
-        if js is not None:
-            js.request_cancel()
+        if js is not None:  # nothing ran: forget the job, so it can be submitted again at once
+            js.delete()
         raise CliError(f"{spec.backend}: {e}") from e
     save_record(_state_dir(args), spec.name, {"backend": spec.backend, "endpoints": eps, "info": info,
                                                "output_dir": d["output_dir"], "time": time.time()})

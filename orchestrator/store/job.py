@@ -201,10 +201,7 @@ class JobStore:
         if state is not None and not state.terminal:
             raise Conflict(f"job {self.job!r} exists and is {state.value}")
         if state is not None:  # a finished job of the same name: its records are replaced
-            self.store.delete_prefix(self.keys.prefix)
-            self.store.delete_prefix(self.keys.progress_prefix)
-            self.store.delete_prefix(self.keys.events_prefix)
-            self.store.delete_prefix(self.keys.rdzv_prefix)
+            self.delete()
         ok = self.store.txn(
             [Compare(self.keys.spec, "create", "==", 0)],
             puts={
@@ -215,6 +212,13 @@ class JobStore:
         )
         if not ok:
             raise Conflict(f"job {self.job!r} was submitted concurrently")
+
+    def delete(self) -> None:
+        """Remove every record of the job (a finished one being replaced, or one whose launch
+        failed before anything ran)."""
+        for prefix in (self.keys.prefix, self.keys.progress_prefix, self.keys.events_prefix,
+                       self.keys.rdzv_prefix):
+            self.store.delete_prefix(prefix)
 
     def register_node(self, node: Node, lease: Lease) -> None:
         self.store.put(self.keys.node(node.name), node.to_json(), lease=lease)
