@@ -42,3 +42,15 @@ def test_every_command_has_help(cluster):
                 "agent", "controller", "etcd", "wait", "checkpoint"):
         r = cluster.hotspare(cmd, "--help", check=True)
         assert "usage: hotspare " + cmd in r.stdout
+
+
+def test_a_failed_launch_leaves_no_job_behind(cluster, tmp_path):
+    """The job is registered in etcd before the backend launches it; if the launch fails
+    (here: no kubeconfig), the registration is undone so the same name can be resubmitted."""
+    spec = cluster.spec_file(name="nolaunch", backend="kubernetes", etcd=[cluster.endpoint])
+    cluster.env["KUBECONFIG"] = str(tmp_path / "no-such-kubeconfig")
+    for _ in range(2):  # the second submit is not refused as a duplicate
+        r = cluster.hotspare("submit", str(spec))
+        assert r.returncode == 2 and "kubernetes:" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert "exists" not in r.stderr
+        assert not cluster.job("nolaunch").exists()
