@@ -357,13 +357,39 @@ def read_manifest(root: str | Path, step: int) -> dict:
     f = _join(root, sub, "manifest.json")
     try:
         m = json.loads(_read(root, sub, "manifest.json"))
-        if not isinstance(m, dict) or not isinstance(m.get("files"), dict) or "world_size" not in m:
-            raise ValueError("not a hotspare checkpoint manifest")
+        _check_manifest(m, step)
         return m
     except FileNotFoundError as e:
         raise CheckpointError(f"{f}: missing (step {step} is not a complete checkpoint)") from e
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{f}: unreadable manifest ({e})") from e
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_manifest(m, step: int) -> None:
+    """Every field a reader relies on, with its type; file names are plain names in the step
+    directory (a manifest never points outside it)."""
+    if not isinstance(m, dict) or not isinstance(m.get("files"), dict):
+        raise ValueError("not a hotspare checkpoint manifest (no 'files' mapping)")
+    ws = m.get("world_size")
+    if not _is_int(ws) or ws < 1:
+        raise ValueError(f"world_size must be a positive integer, got {ws!r}")
+    if m.get("step") != step:
+        raise ValueError(f"it describes step {m.get('step')!r}, not {step}")
+    if set(m["files"]) != {str(r) for r in range(ws)}:
+        raise ValueError(f"files must name ranks 0..{ws - 1}, got {sorted(m['files'])}")
+    for r, rec in m["files"].items():
+        if not isinstance(rec, dict):
+            raise ValueError(f"files[{r}] must be a mapping")
+        name = rec.get("file")
+        if not isinstance(name, str) or not re.fullmatch(r"rank\d+\.safetensors", name):
+            raise ValueError(f"files[{r}].file must be rank<r>.safetensors, got {name!r}")
+        for key in ("bytes", "crc32"):
+            if not _is_int(rec.get(key)) or rec[key] < 0:
+                raise ValueError(f"files[{r}].{key} must be a non-negative integer, got {rec.get(key)!r}")
 
 
 def read_rank_bytes(root: str | Path, step: int, rank: int, manifest: dict | None = None) -> tuple[dict, bytes]:
@@ -375,15 +401,16 @@ def read_rank_bytes(root: str | Path, step: int, rank: int, manifest: dict | Non
         raise CheckpointError(f"{_join(root, step_dir('', step).name, 'manifest.json')}: no entry for "
                               f"rank {rank} (world size {m['world_size']})")
     f = _join(root, step_dir("", step).name, rec["file"])
+    mf = _join(root, step_dir("", step).name, "manifest.json")
     try:
         raw = _read(root, step_dir("", step).name, rec["file"])
     except OSError as e:
         raise CheckpointError(f"{f}: {e.strerror or e}") from e
     if len(raw) != rec["bytes"]:
-        raise CheckpointError(f"{f}: truncated or padded: {len(raw)} bytes, the manifest says "
+        raise CheckpointError(f"{f}: truncated or padded: {len(raw)} bytes, {mf} says "
                               f"{rec['bytes']}; this checkpoint cannot be used")
     if zlib.crc32(raw) != rec["crc32"]:
-        raise CheckpointError(f"{f}: corrupt: CRC32 mismatch with the manifest; this checkpoint "
+        raise CheckpointError(f"{f}: corrupt: CRC32 mismatch with {mf}; this checkpoint "
                               "cannot be used")
     try:
         (hlen,) = struct.unpack_from("<Q", raw, 0)

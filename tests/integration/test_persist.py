@@ -181,3 +181,40 @@ def test_fsspec_url_as_the_shared_path(tmp_path):
         persist.load_checkpoint(url)
     fs.rm("/hotspare-test", recursive=True)
     eng.close()
+
+
+def test_any_damage_to_a_checkpoint_is_refused_naming_the_file(tmp_path):
+    """Fuzz: truncations, byte flips and garbage in the data file or the manifest either load
+    the intact state or raise CheckpointError naming the damaged file; nothing else."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    eng, model, opt = _engine(tmp_path, width=16)
+    _train_to(eng, model, opt, 10)
+    _persister(eng, tmp_path / "ckpt", []).persist_once()
+    eng.close()
+    d = tmp_path / "ckpt" / "step00000010"
+    files = {"rank0.safetensors": (d / "rank0.safetensors").read_bytes(),
+             "manifest.json": (d / "manifest.json").read_bytes()}
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(which=st.sampled_from(sorted(files)), cut=st.integers(0, 1 << 20),
+           flips=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(1, 255)), max_size=4),
+           tail=st.binary(max_size=16))
+    def check(which, cut, flips, tail):
+        raw = bytearray(files[which])
+        for pos, x in flips:
+            raw[pos % len(raw)] ^= x
+        raw = raw[: cut % (len(raw) + 1)] + tail if cut % 3 else raw + tail
+        for name, content in files.items():
+            (d / name).write_bytes(bytes(raw) if name == which else content)
+        try:
+            st_ = persist.load_checkpoint(tmp_path / "ckpt", step=10)
+        except persist.CheckpointError as e:
+            assert str(d / which) in str(e) or (which == "manifest.json" and "manifest.json" in str(e)), str(e)
+        else:
+            assert bytes(raw) == files[which] or which == "manifest.json", "damage went unnoticed"
+            for name, t in model.state_dict().items():
+                assert torch.equal(st_.ranks[0][f"model.params/{name}"], t)
+
+    check()
