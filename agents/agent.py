@@ -93,6 +93,7 @@ class WorkerProc:
     proc: subprocess.Popen
     hb: Heartbeat
     rank: int | None = None
+    sid: int = -1  # the seat's state id: stays when a shrink renumbers the rank
     epoch: int = 0
     hang_killed: bool = False
     assigned_at: float = 0.0
@@ -130,7 +131,7 @@ class Agent:
         self._published_warm = -1
         self._partitioned_until = 0.0
         self._frozen: list[WorkerProc] = []
-        self._lost_here: dict[int, int] = {}  # rank -> epoch its worker died here in
+        self._lost_here: dict[int, int] = {}  # sid -> epoch its worker died here in
 
     # -- life cycle -----------------------------------------------------------------------
     def run(self) -> int:
@@ -155,9 +156,7 @@ class Agent:
             replicas,
             secret,
             buddies=lambda: self._buddies,
-            local_ranks=lambda: {
-                w.rank for w in list(self.workers.values()) if w.rank is not None and w.proc.poll() is None
-            },
+            local_ranks=self._local_sids,
         )
         if int(self.spec.get("replicas", 1)) > 0:
             self._replicator.start()
@@ -165,9 +164,7 @@ class Agent:
         self._checkpoint_step: int | None = None
         self._persister = Persister(
             self.run_dir, spec, job=self.job,
-            local_ranks=lambda: {
-                w.rank for w in list(self.workers.values()) if w.rank is not None and w.proc.poll() is None
-            },
+            local_ranks=self._local_sids,
             world=lambda: self._world_info,
             requested=lambda: self._checkpoint_step,
             event=lambda kind, msg, **data: self._event(kind, msg, **data),
@@ -275,6 +272,10 @@ class Agent:
         except StoreError as e:
             log.warning("event %s not recorded: %s", kind, e)
 
+    def _local_sids(self) -> set[int]:
+        """State ids of the live local workers: the names of their snapshot files."""
+        return {w.sid for w in list(self.workers.values()) if w.rank is not None and w.proc.poll() is None}
+
     def _assign(self, snap) -> None:
         self._checkpoint_step = snap.checkpoint
         world = snap.world
@@ -282,14 +283,21 @@ class Agent:
             return
         self._world_info = (world.epoch, world.size)
         self._buddies = ring_buddies(world, snap.nodes, self.node, int(self.spec.get("replicas", 1)))
-        mine = set(world.ranks_on(self.node, self.incarnation))
-        held = {w.rank: w for w in self.workers.values() if w.rank is not None}
-        for rank, w in held.items():
-            if rank not in mine and w.proc.poll() is None and world.shrunk_from == 0:
-                log.warning("rank %d no longer belongs to %s at epoch %d: stopping its worker", rank, self.node, world.epoch)
-                self._kill(w)
-        for rank in sorted(mine - set(held)):
-            if self._lost_here.get(rank, -1) >= world.seats[rank].since:
+        # seats are matched by sid: a shrink renumbers ranks but keeps each survivor's sid
+        mine = {world.sid(r): r for r in world.ranks_on(self.node, self.incarnation)}
+        held = {w.sid: w for w in self.workers.values() if w.rank is not None}
+        for sid, w in held.items():
+            if sid not in mine:
+                if w.proc.poll() is None:
+                    log.warning("rank %d no longer belongs to %s at epoch %d: stopping its worker",
+                                w.rank, self.node, world.epoch)
+                    self._kill(w)
+            elif mine[sid] != w.rank:
+                log.info("rank %d on %s is rank %d from epoch %d on", w.rank, self.node, mine[sid], world.epoch)
+                w.rank, w.epoch = mine[sid], world.epoch  # reports must name the new seat
+        for sid in sorted(set(mine) - set(held)):
+            rank = mine[sid]
+            if self._lost_here.get(sid, -1) >= world.seats[rank].since:
                 continue  # its worker died here in this seat: the controller decides, not us
             free = [w for w in self.workers.values() if w.rank is None and w.proc.poll() is None]
             if not free:
@@ -297,12 +305,12 @@ class Agent:
                 return
             free.sort(key=lambda w: w.hb.read()[0] != WARM)
             w = free[0]
-            w.rank, w.epoch, w.assigned_at = rank, snap.epoch, time.time()
-            self._replicator.forget(rank)
+            w.rank, w.sid, w.epoch, w.assigned_at = rank, sid, snap.epoch, time.time()
+            self._replicator.forget(sid)
             warm = STATE_NAMES.get(w.hb.read()[0], "?")
             try:
                 assert w.proc.stdin is not None
-                w.proc.stdin.write(json.dumps({"rank": rank, "epoch": snap.epoch}).encode() + b"\n")
+                w.proc.stdin.write(json.dumps({"rank": rank, "epoch": snap.epoch, "sid": sid}).encode() + b"\n")
                 w.proc.stdin.flush()
             except OSError:
                 continue  # it just died; supervision will notice
@@ -360,7 +368,7 @@ class Agent:
             elif w.rank is None:
                 log.warning("warm worker pid %d exited with %s before assignment", w.proc.pid, code)
             if w.rank is not None:
-                self._lost_here[w.rank] = w.epoch
+                self._lost_here[w.sid] = w.epoch
             w.hb.close()
             del self.workers[slot]
             if not (w.rank is not None and code == 0):

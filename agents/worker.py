@@ -2,7 +2,7 @@
 
 Started by its agent before any rank is known. It connects to etcd, imports torch and
 the job's entrypoint, marks itself warm, and blocks on one JSON line on stdin — the
-assignment ``{"rank": r, "epoch": e}``. That warm start is what makes a swap fast: the
+assignment ``{"rank": r, "epoch": e, "sid": s}``. That warm start is what makes a swap fast: the
 spare's interpreter, torch and the user's module are already loaded.
 
 Exit codes: 0 finished, 1 the training function raised, 3 fenced (rank taken away).
@@ -115,6 +115,7 @@ def main() -> int:
         job=job,
         spec=spec,
         rank=rank,
+        sid=assign.get("sid"),
         epoch=epoch,
         node=node,
         incarnation=env["HOTSPARE_INCARNATION"],

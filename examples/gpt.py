@@ -12,7 +12,9 @@ Entrypoint: ``examples/gpt.py:train``. ``build`` gives the same workload without
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 from functools import lru_cache
 from pathlib import Path
@@ -21,6 +23,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from recovery.sampler import ElasticSampler
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
@@ -56,18 +60,18 @@ def load_corpus(path: str | Path = CORPUS) -> tuple[torch.Tensor, CharVocab]:
 class TokenStream:
     """Deterministic, resumable batches of (x, y) windows over a token tensor.
 
-    Each epoch uses a permutation of every valid start offset, drawn from a
-    ``torch.Generator`` seeded with ``seed + epoch``. A step consumes
-    ``batch_size * world_size`` consecutive entries of that permutation starting at
-    ``pos``; rank ``r`` takes the ``r``-th block of ``batch_size`` of them, so within a
-    step (and so within an epoch) ranks read disjoint shards. When fewer than a full
-    global batch remain, the stream moves to the next epoch.
+    A sample is a window start offset (``x = t[s:s+T]``, ``y = t[s+1:s+T+1]``); which
+    samples a rank reads is :class:`recovery.sampler.ElasticSampler`'s business: each
+    epoch is a permutation of the first ``num_samples`` start offsets (all of them by
+    default) seeded with ``seed + epoch``, a step consumes ``batch_size * world_size``
+    consecutive entries from the global position, rank ``r`` takes the ``r``-th block of
+    ``batch_size``, and a step at the end of an epoch continues into the next one, so each
+    epoch reads every sample exactly once.
 
-    The state (``{"epoch", "pos"}``) is the same on every rank and does not depend on
-    the rank, so a state saved by any rank restores any other; ``rank`` and
-    ``world_size`` are plain attributes and may be changed between steps (re-sharding
-    continues from the same global position). Follows the torchdata StatefulDataLoader
-    convention: ``state_dict()`` is JSON-able and ``load_state_dict`` restores it.
+    The state (``{"epoch", "pos"}``) is the same on every rank and does not depend on the
+    rank, so a state saved by any rank restores any other. Rank and world size come from
+    ``group`` (the session) at every step, or from the ``rank``/``world_size``
+    attributes: after a shrink or grow the stream re-shards from the same global position.
     """
 
     def __init__(
@@ -78,57 +82,58 @@ class TokenStream:
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
+        num_samples: int | None = None,
+        group=None,
     ) -> None:
         if tokens.dim() != 1:
             raise ValueError("tokens must be a 1-D tensor")
         self.tokens = tokens.long()
         self.block_size = int(block_size)
         self.batch_size = int(batch_size)
-        self.rank = int(rank)
-        self.world_size = int(world_size)
-        self.seed = int(seed)
-        self.n_starts = self.tokens.numel() - self.block_size  # x = t[s:s+T], y = t[s+1:s+T+1]
+        self.n_starts = self.tokens.numel() - self.block_size
+        if num_samples:
+            self.n_starts = min(self.n_starts, int(num_samples))
         if self.n_starts < self.batch_size:
             raise ValueError("corpus too small for one batch")
-        self.epoch = 0
-        self.pos = 0
-        self._perm_epoch: int | None = None
-        self._perm: torch.Tensor | None = None
+        self.sampler = ElasticSampler(self.n_starts, batch_size, seed=seed, rank=rank,
+                                      world_size=world_size, group=group)
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # (epochs, starts) last read
         self._offsets = torch.arange(self.block_size + 1)
+
+    @property
+    def rank(self) -> int:
+        return self.sampler.rank
+
+    @rank.setter
+    def rank(self, value: int) -> None:
+        self.sampler.rank = value
+
+    @property
+    def world_size(self) -> int:
+        return self.sampler.world_size
+
+    @world_size.setter
+    def world_size(self, value: int) -> None:
+        self.sampler.world_size = value
 
     # torchdata StatefulDataLoader convention
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
+        return self.sampler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch = int(state["epoch"])
-        self.pos = int(state["pos"])
+        self.sampler.load_state_dict(state)
 
     def permutation(self, epoch: int) -> torch.Tensor:
-        if self._perm_epoch != epoch:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            self._perm = torch.randperm(self.n_starts, generator=g)
-            self._perm_epoch = epoch
-        return self._perm
+        return self.sampler.permutation(epoch)
 
     def starts(self) -> torch.Tensor:
         """Start offsets of this rank's next batch (without advancing)."""
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} outside world_size {self.world_size}")
-        step = self.batch_size * self.world_size
-        epoch, pos = self.epoch, self.pos
-        if pos + step > self.n_starts:
-            epoch, pos = epoch + 1, 0
-        lo = pos + self.rank * self.batch_size
-        return self.permutation(epoch)[lo : lo + self.batch_size]
+        return self.sampler.peek()[1]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        step = self.batch_size * self.world_size
-        if self.pos + step > self.n_starts:
-            self.epoch, self.pos = self.epoch + 1, 0
-        starts = self.starts()
-        self.pos += step
-        win = self.tokens[starts[:, None] + self._offsets]  # (B, T+1)
+        self.last = self.sampler.peek()
+        self.sampler.advance()
+        win = self.tokens[self.last[1][:, None] + self._offsets]  # (B, T+1)
         return win[:, :-1], win[:, 1:]
 
     def __iter__(self):
@@ -272,6 +277,8 @@ def build(
     rank: int = 0,
     world_size: int = 1,
     corpus: str | Path = CORPUS,
+    num_samples: int | None = None,
+    group=None,
 ):
     """(model, optimizer, scheduler, data) for the workload; seeds torch's global RNG
     with ``seed`` first, so every rank builds identical weights."""
@@ -283,8 +290,29 @@ def build(
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, warmup_cosine(warmup_steps, decay_steps, min_ratio=0.1)
     )
-    data = TokenStream(tokens, block_size, batch_size, rank=rank, world_size=world_size, seed=seed)
+    data = TokenStream(tokens, block_size, batch_size, rank=rank, world_size=world_size, seed=seed,
+                       num_samples=num_samples, group=group)
     return model, opt, sched, data
+
+
+class SampleLog:
+    """``record_samples: true``: one JSON line per step and rank under
+    ``<output_dir>/samples/``: the (data epoch, sample id) pairs the rank trained on, with
+    the step, the session epoch (the newest epoch's line of a step is the one that stuck)
+    and the rank and world size. Lets a test check that no sample was skipped or repeated
+    through shrinks and grows."""
+
+    def __init__(self, session) -> None:
+        d = Path(session.spec["output_dir"]) / "samples"
+        d.mkdir(parents=True, exist_ok=True)
+        self.session = session
+        self.fd = os.open(d / f"{session.node}-{os.getpid()}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+
+    def write(self, step: int, epochs: torch.Tensor, ids: torch.Tensor) -> None:
+        s = self.session
+        line = {"step": step, "epoch": s.epoch, "rank": s.rank, "world": s.world_size,
+                "samples": [[int(e), int(i)] for e, i in zip(epochs, ids, strict=True)]}
+        os.write(self.fd, (json.dumps(line, separators=(",", ":")) + "\n").encode())
 
 
 def warmup(**_args) -> None:
@@ -304,7 +332,11 @@ def train(
     dropout: float = 0.1,
     warmup_steps: int = 10,
     decay_steps: int = 2000,
+    num_samples: int | None = None,
+    record_samples: bool = False,
 ):
+    """``num_samples`` limits the data set to that many windows (short epochs, for tests);
+    ``record_samples`` logs what each rank read (:class:`SampleLog`)."""
     torch.use_deterministic_algorithms(True)
     # every generator the process owns is seeded: the run is a function of (seed, rank)
     random.seed(seed + session.rank)
@@ -320,12 +352,15 @@ def train(
         dropout=dropout,
         warmup_steps=warmup_steps,
         decay_steps=decay_steps,
-        rank=session.rank,
-        world_size=session.world_size,
+        num_samples=num_samples,
+        group=session,  # rank and world size are read at every step: shrink/grow re-shard
     )
     session.track(model=model, optimizer=opt, scheduler=sched, data=data)
-    for _step in session.steps():
+    record = SampleLog(session) if record_samples else None
+    for step in session.steps():
         x, y = data.next_batch()
+        if record is not None:
+            record.write(step, *data.last)
         _, loss = model(x, y)
         opt.zero_grad(set_to_none=False)
         loss.backward()

@@ -28,11 +28,11 @@ class Loss:
 
 @dataclass(frozen=True)
 class Decision:
-    action: str  # none | wait | place | swap | shrink | succeed | fail | cancel
+    action: str  # none | wait | place | swap | shrink | grow | succeed | fail | cancel
     reason: str
     world: World | None = None
     losses: tuple[Loss, ...] = ()
-    spares: tuple[str, ...] = ()  # node chosen for each loss, same order (swap)
+    spares: tuple[str, ...] = ()  # node chosen for each loss, same order (swap); new seats (grow)
     clear_reports: tuple[tuple[str, int], ...] = field(default=())  # handled or stale reports
 
     def __str__(self) -> str:
@@ -173,9 +173,15 @@ def _reconcile(obs: JobSnapshot, spec: dict, world: World) -> Decision:
         if slow and _choose_spares(obs, world, slow, {lo.node for lo in slow}, {lo.rank for lo in slow}):
             losses = slow  # replace them like failures; without a spare they are only reported
     if not losses:
+        grow = _grow(obs, spec, world, tuple(stale))
+        if grow is not None:
+            return grow
+        short = spec["ranks"] - world.size
         return Decision(
             "none",
-            f"epoch {world.epoch}: {_plural(world.size, 'rank')} healthy",
+            f"epoch {world.epoch}: {_plural(world.size, 'rank')} healthy"
+            + (f" ({short} below ranks={spec['ranks']}; growing back once a warm worker is free)"
+               if short > 0 else ""),
             clear_reports=tuple(stale),
         )
 
@@ -187,7 +193,8 @@ def _reconcile(obs: JobSnapshot, spec: dict, world: World) -> Decision:
     if chosen is not None:
         seats = list(world.seats)
         for lo, name in zip(losses, chosen, strict=True):
-            seats[lo.rank] = Seat(name, obs.nodes[name].incarnation, world.epoch + 1)
+            seats[lo.rank] = Seat(name, obs.nodes[name].incarnation, world.epoch + 1,
+                                  _sid(world, lo.rank, lo.rank))  # the spare restores the lost state
         new = World(
             epoch=world.epoch + 1,
             seats=tuple(seats),
@@ -229,9 +236,11 @@ def _reconcile(obs: JobSnapshot, spec: dict, world: World) -> Decision:
         # a survivor whose rank number changes holds a new rank from the new epoch on, so
         # reports about the old holder of that number are recognised as stale
         first_lost = min(lost_ranks)
+        kept = [r for r in range(world.size) if r not in lost_ranks]
         seats = tuple(
-            Seat(s.node, s.incarnation, s.since if i < first_lost else world.epoch + 1)
-            for i, s in enumerate(survivors)
+            Seat(s.node, s.incarnation, s.since if i < first_lost else world.epoch + 1,
+                 _sid(world, old, i))  # a renumbered survivor keeps its state's name
+            for i, (old, s) in enumerate(zip(kept, survivors, strict=True))
         )
         new = World(
             epoch=world.epoch + 1,
@@ -251,6 +260,62 @@ def _reconcile(obs: JobSnapshot, spec: dict, world: World) -> Decision:
         "wait",
         f"{short}; waiting for a spare node to join (on_no_spare=wait)",
         losses=tuple(losses),
+    )
+
+
+def _sid(world: World, old_rank: int, new_rank: int) -> int:
+    """The sid a seat moving from ``old_rank`` to ``new_rank`` keeps (-1: equal to the rank)."""
+    sid = world.sid(old_rank)
+    return -1 if sid == new_rank else sid
+
+
+def _grow(obs: JobSnapshot, spec: dict, world: World, stale: tuple) -> Decision | None:
+    """A healthy world below ``ranks`` (after a shrink) grows back onto warm free workers.
+
+    Only warm workers are taken, so the members wait for the newcomers' rendezvous, not
+    for their interpreter start; a partial grow is fine (each joins when warm). New seats
+    go at the end (no survivor is renumbered) with fresh sids: they have no state of their
+    own and take a member's (data-parallel replicas are identical), see recovery/session.py.
+    """
+    missing = spec["ranks"] - world.size
+    if missing <= 0:
+        return None
+    free = _free_capacity(obs, world, set(), set())
+    warm = {name: obs.nodes[name].warm for name in free}
+    chosen: list[str] = []
+    for _ in range(missing):
+        cands = sorted(
+            (obs.nodes[n] for n, f in free.items() if f > 0 and warm[n] > 0),
+            key=lambda n: (n.role != "spare", -free[n.name], n.name),
+        )
+        if not cands:
+            break
+        pick = cands[0].name
+        free[pick] -= 1
+        warm[pick] -= 1
+        chosen.append(pick)
+    if not chosen:
+        return None
+    epoch = world.epoch + 1
+    new_seats = tuple(
+        # unique for the job's life: initial sids are < ranks, and each epoch has its own range
+        Seat(name, obs.nodes[name].incarnation, epoch, epoch * spec["ranks"] + i)
+        for i, name in enumerate(chosen)
+    )
+    new = World(
+        epoch=epoch,
+        seats=world.seats + new_seats,
+        reason=f"growing back towards {spec['ranks']} ranks",
+        grown_from=world.size,
+    )
+    moves = ", ".join(f"rank {world.size + i} -> {n}" for i, n in enumerate(chosen))
+    return Decision(
+        "grow",
+        f"epoch {world.epoch}: {_plural(world.size, 'rank')} of {spec['ranks']}; growing to "
+        f"{_plural(new.size, 'rank')} ({moves}) at epoch {epoch}",
+        world=new,
+        spares=tuple(chosen),
+        clear_reports=stale,
     )
 
 

@@ -9,6 +9,8 @@ final barrier. Nothing here touches etcd on the step path: epoch changes arrive 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import signal
@@ -28,7 +30,7 @@ from .control import ControlLink
 from .final import write_manifest, write_rank
 from .process_group import ReconfigurableProcessGroup
 from .snapshot import SnapshotEngine, restore, tensors_from_bytes
-from .state import RNGState, provider_for
+from .state import RNGState, provider_for, reseed
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class Session:
         epoch: int,
         node: str,
         incarnation: str,
+        sid: int | None = None,
         beat: Callable[[int], None] = lambda step: None,
         backend: str | None = None,
         agent_pid: int = 0,
@@ -66,6 +69,8 @@ class Session:
         self.job = job
         self.spec = spec
         self.rank = rank
+        self.sid = rank if sid is None else int(sid)  # names this seat's snapshots and replicas
+        self._fresh: bool | None = None  # a seat added by a grow, not yet holding any state
         self.node = node
         self.incarnation = incarnation
         self.world_size = spec["ranks"]
@@ -91,7 +96,7 @@ class Session:
         snap_dir = Path(os.environ.get("HOTSPARE_SNAP_DIR") or tempfile.mkdtemp(prefix="hotspare-snap-"))
         self.snapshots = SnapshotEngine(
             snap_dir,
-            rank,
+            self.sid,
             slots=int(spec.get("snapshot_slots", 2)),
             replicate_every=int(spec.get("replicate_every", 10)) if int(spec.get("replicas", 1)) else 0,
             beat=self._beat,
@@ -240,16 +245,18 @@ class Session:
         return self.link.latest_epoch
 
     def _locate(self, world_epoch: int) -> tuple[int, int]:
-        """My rank and the world size in ``world_epoch``; Fenced if I am no longer in it."""
+        """My rank and the world size in ``world_epoch``; Fenced if I am no longer in it.
+
+        The seat is found by its sid, not its number: a shrink renumbers the survivors
+        (and epochs may have been skipped), but keeps each seat's sid."""
+        if self._fresh is None:  # was my seat added by a grow? (then I own no state yet)
+            w0 = self.link.world(self._target_epoch)
+            self._fresh = 0 < w0.grown_from <= self.rank
         w = self.link.world(world_epoch)
-        rank = self.rank
-        if w.shrunk_from and self.epoch:
-            if rank in w.lost:
-                raise Fenced(f"rank {rank} was dropped at epoch {w.epoch}")
-            rank -= sum(1 for r in w.lost if r < rank)
-        if rank >= w.size or w.seats[rank].node != self.node or w.seats[rank].incarnation != self.incarnation:
-            raise Fenced(f"rank {self.rank} belongs to another node at epoch {w.epoch}")
-        return rank, w.size
+        for rank, seat in enumerate(w.seats):
+            if w.sid(rank) == self.sid and seat.node == self.node and seat.incarnation == self.incarnation:
+                return rank, w.size
+        raise Fenced(f"rank {self.rank} (sid {self.sid}) is no longer on {self.node} at epoch {w.epoch}")
 
     def _join(self) -> int:
         """(Re)build the group for the newest epoch and agree on where to resume."""
@@ -306,7 +313,7 @@ class Session:
             if not n.replica_port:
                 continue
             try:
-                for s in list_steps(n.host, n.replica_port, self._secret, self.rank):
+                for s in list_steps(n.host, n.replica_port, self._secret, self.sid):
                     found.setdefault(s, []).append((n.name, n.host, n.replica_port))
             except Exception as e:  # noqa: BLE001 - a dead or partitioned holder
                 log.info("replica holder %s unreachable: %s", n.name, e)
@@ -316,25 +323,33 @@ class Session:
         """Agree on the newest step every member can restore, then restore it.
 
         Survivors offer the steps in their own snapshot slots; a newcomer (spare) offers
-        the steps replica holders have for its rank. Two small allreduces: MAX of each
-        member's newest step, then MIN of an availability mask over the 64 steps below it.
+        the steps replica holders have for its sid. Two small allreduces: MAX of each
+        member's newest step (and of a flag per rank: "my seat is fresh from a grow"), then
+        MIN of an availability mask over the 64 steps below it. A fresh seat constrains
+        nothing; it receives a member's state once the others have restored
+        (:meth:`_send_to_fresh`).
         """
         t0 = time.time()
         local = set(self.snapshots.available())
+        fresh = bool(self._fresh) and not local
         remote: dict[int, list[tuple[str, str, int]]] = {}
-        if not local and epoch > 1:
+        if not local and epoch > 1 and not fresh:
             remote = self._holders()
         offer = local | set(remote)
-        newest = torch.tensor([max(offer) if offer else -2], dtype=torch.int64)
-        if not self._pg.allreduce_(newest, dist.ReduceOp.MAX):
+        head = torch.zeros(1 + self.world_size, dtype=torch.int64)
+        head[0] = max(offer) if offer else -2
+        head[1 + self.rank] = int(fresh)
+        if not self._pg.allreduce_(head, dist.ReduceOp.MAX):
             raise _StepFailed()
-        top = int(newest.item())
+        top = int(head[0].item())
+        fresh_ranks = [r for r in range(self.world_size) if head[1 + r].item()]
         if top == -2:  # nobody holds any state: a fresh start
             self.snapshots.capture(-1)
             self.snapshots.wait()
+            self._fresh = False
             return -1, {"source": "fresh start", "bytes": 0, "seconds": 0.0}
         persisted = self._persisted_step()
-        mask = torch.tensor([1 if top - i in offer else 0 for i in range(WINDOW)] + [persisted],
+        mask = torch.tensor([1 if fresh or top - i in offer else 0 for i in range(WINDOW)] + [persisted],
                             dtype=torch.int64)
         if not self._pg.allreduce_(mask, dist.ReduceOp.MIN):
             raise _StepFailed()
@@ -350,7 +365,9 @@ class Session:
                 "and all its replicas is gone (set persist_every to survive this)"
             )
         step = max(common)
-        if step in local:
+        if fresh:
+            source, nbytes = "", 0  # filled in by the transfer below
+        elif step in local:
             skip = set() if (self._dirty or step != self.committed) else {
                 n for n, p in self.snapshots.providers if p.async_ok
             }
@@ -364,8 +381,44 @@ class Session:
             self.snapshots.capture(step)
             self.snapshots.wait()
             source, nbytes = f"replica on {holder}", len(body)
+        if fresh_ranks:
+            source, nbytes = self._send_to_fresh(step, fresh_ranks, source, nbytes)
         self._dirty = False
         return step, {"source": source, "bytes": nbytes, "seconds": round(time.time() - t0, 4)}
+
+    def _send_to_fresh(self, step: int, fresh_ranks: list[int], source: str, nbytes: int) -> tuple[str, int]:
+        """Seats added by a grow have no state of their own: the lowest-ranked member that
+        has some broadcasts its restored snapshot of ``step`` (data-parallel replicas hold
+        identical parameters, optimizer, scheduler and data position). A fresh rank keeps
+        all of it but the RNGs, which it seeds from the donor's RNG state and its own rank:
+        deterministic, and distinct per rank. Its data shard follows from the shared global
+        position and its rank (e.g. :class:`recovery.sampler.ElasticSampler`)."""
+        donor = min(r for r in range(self.world_size) if r not in fresh_ranks)
+        sizes = torch.zeros(2, dtype=torch.int64)
+        payload = b""
+        if self.rank == donor:
+            header, body = self.snapshots.read(step)
+            hb = json.dumps(header, separators=(",", ":")).encode()
+            payload = hb + bytes(body)
+            sizes[0], sizes[1] = len(hb), len(body)
+        if not self._pg.broadcast_(sizes, donor):
+            raise _StepFailed()
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
+            torch.zeros(int(sizes.sum().item()), dtype=torch.uint8)
+        if not self._pg.broadcast_(buf, donor):
+            raise _StepFailed()
+        if self.rank not in fresh_ranks:
+            return source, nbytes
+        hlen = int(sizes[0].item())
+        raw = buf.numpy().tobytes()
+        header = json.loads(raw[:hlen])
+        restore(self.snapshots.providers, tensors_from_bytes(header, raw[hlen:]), header["meta"])
+        digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes() + f"/{self.rank}".encode()).digest()
+        reseed(int.from_bytes(digest[:8], "little") >> 1)
+        self.snapshots.capture(step)
+        self.snapshots.wait()
+        self._fresh = False
+        return f"peer rank {donor} (grown seat)", len(raw) - hlen
 
     def _persist_root(self) -> str:
         return self.spec.get("persist_path") or str(Path(self.spec["output_dir"]) / "checkpoints")
@@ -401,7 +454,7 @@ class Session:
     def _fetch(self, step: int, holders: list[tuple[str, str, int]]) -> tuple[dict, bytes, str]:
         from agents.replica import fetch_first
 
-        return fetch_first(holders, self._secret, self.rank, step)
+        return fetch_first(holders, self._secret, self.sid, step)
 
     def _write_final(self, total: int) -> None:
         self.snapshots.wait()

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .slotfile import _CTRL, COMPLETE, CTRL_SIZE, EMPTY, MAGIC, WRITING
+from .slotfile import _CTRL, COMPLETE, CTRL_SIZE, EMPTY, MAGIC, WRITING, read_slot
 
 log = logging.getLogger(__name__)
 
@@ -355,6 +355,14 @@ class SnapshotEngine:
             {i.name: slot.view(i) for i in infos},
             header["meta"],
         )
+
+    def read(self, step: int) -> tuple[dict, bytes]:
+        """Header and body of the complete local snapshot of ``step``, to send to a peer."""
+        self.wait()
+        got = read_slot(self.path(self._steps.index(step)))
+        if got is None:
+            raise RuntimeError(f"snapshot of step {step} (sid {self.rank}) is not readable")
+        return got[0], bytes(got[1])
 
     def close(self) -> None:
         self.wait()

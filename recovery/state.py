@@ -260,6 +260,13 @@ class RNGState:
         random.setstate((version, tuple(int(x) for x in tensors["python"].tolist()), gauss))
 
 
+def reseed(seed: int) -> None:
+    """Seed torch (every device), numpy and Python ``random`` from one integer."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
 class ValueState:
     """JSON-able values in a dict the user keeps mutating (``extra=...``): restored in place."""
 

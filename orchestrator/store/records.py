@@ -57,11 +57,16 @@ class Node(_Record):
 
 @dataclass(frozen=True)
 class Seat:
-    """One rank's place in a world: which node (incarnation) runs it since which epoch."""
+    """One rank's place in a world: which node (incarnation) runs it since which epoch.
+
+    ``sid`` names the seat's *state* (its snapshot files and replicas) independently of
+    its rank number, which a shrink renumbers: a swap keeps the lost seat's sid, a shrink
+    keeps every survivor's, a grow gives new seats fresh ones. -1 means "the rank"."""
 
     node: str
     incarnation: str
     since: int
+    sid: int = -1
 
 
 @dataclass(frozen=True)
@@ -73,10 +78,16 @@ class World:
     reason: str = ""
     lost: tuple[int, ...] = ()  # ranks that were replaced (or dropped) to make this world
     shrunk_from: int = 0  # previous world size when this world is a shrink
+    grown_from: int = 0  # previous world size when this world is a grow (new seats at the end)
 
     @property
     def size(self) -> int:
         return len(self.seats)
+
+    def sid(self, rank: int) -> int:
+        """The state id of ``rank``'s seat (see :class:`Seat`)."""
+        s = self.seats[rank].sid
+        return rank if s < 0 else s
 
     def ranks_on(self, node: str, incarnation: str | None = None) -> list[int]:
         return [
@@ -93,6 +104,7 @@ class World:
                 "reason": self.reason,
                 "lost": list(self.lost),
                 "shrunk_from": self.shrunk_from,
+                "grown_from": self.grown_from,
             }
         )
 
@@ -105,6 +117,7 @@ class World:
             reason=d.get("reason", ""),
             lost=tuple(d.get("lost", ())),
             shrunk_from=d.get("shrunk_from", 0),
+            grown_from=d.get("grown_from", 0),
         )
 
 

@@ -828,6 +828,87 @@ def test_report_from_before_a_shrink_does_not_hit_the_survivor_renumbered_into_i
     assert d2.clear_reports == (("node1", 2),)
 
 
+def test_a_shrink_keeps_each_survivors_sid_and_a_later_swap_keeps_the_lost_one():
+    snap = snapshot_running(ranks=3, spares=0, policy="shrink", min_ranks=1)
+    lose(snap, "node0")
+    shrink = decide(snap)
+    assert shrink.action == "shrink"
+    w = shrink.world
+    # ranks 1, 2 became 0, 1: their snapshots and replicas are still named 1 and 2
+    assert [w.sid(r) for r in range(w.size)] == [1, 2]
+    snap.world, snap.epoch = w, w.epoch
+    lose(snap, "node2")
+    add_node(snap, make_node("spare0", "spare"))
+    d = decide(snap)
+    assert d.action == "swap"
+    assert d.world.seats[1].node == "spare0" and d.world.sid(1) == 2  # restores sid 2's replicas
+    assert d.world.sid(0) == 1
+
+
+def shrunk_snapshot(ranks: int = 3, lost: tuple[str, ...] = ("node1",), min_ranks: int = 1) -> JobSnapshot:
+    """A job that shrank after losing ``lost`` (no spare), at the shrunk world's epoch."""
+    snap = snapshot_running(ranks=ranks, spares=0, policy="shrink", min_ranks=min_ranks)
+    lose(snap, *lost)
+    d = decide(snap)
+    assert d.action == "shrink", str(d)
+    snap.world, snap.epoch = d.world, d.world.epoch
+    return snap
+
+
+def test_a_shrunk_world_grows_back_when_a_warm_spare_joins():
+    snap = shrunk_snapshot()
+    old = snap.world
+    late = add_node(snap, make_node("late0", "spare", warm=1))
+    d = decide(snap)
+    assert d.action == "grow", str(d)
+    assert d.changes_world and d.final_state is None and d.losses == ()
+    new = d.world
+    assert new.epoch == old.epoch + 1 and new.size == 3 and new.grown_from == 2
+    assert new.seats[:2] == old.seats  # members keep their seats and numbers
+    seat = new.seats[2]
+    assert (seat.node, seat.incarnation, seat.since) == ("late0", late.incarnation, new.epoch)
+    # a fresh sid: no snapshot or replica of any earlier seat can be mistaken for its state
+    assert new.sid(2) not in {0, 1, 2}
+    assert d.spares == ("late0",)
+    assert str(d) == "epoch 2: 2 ranks of 3; growing to 3 ranks (rank 2 -> late0) at epoch 3"
+
+
+def test_a_shrunk_world_waits_for_a_warm_worker_before_growing():
+    snap = shrunk_snapshot()
+    add_node(snap, make_node("late0", "spare", warm=0))  # agent up, worker still importing torch
+    d = decide(snap)
+    assert d.action == "none"
+    assert "2 ranks healthy (1 below ranks=3; growing back once a warm worker is free)" in str(d)
+
+
+def test_a_grow_takes_only_as_many_seats_as_there_are_warm_workers():
+    snap = shrunk_snapshot(ranks=4, lost=("node1", "node2"))
+    add_node(snap, make_node("late0", "spare", slots=2, warm=1))
+    d = decide(snap)
+    assert d.action == "grow"
+    assert d.world.size == 3 and [s.node for s in d.world.seats[2:]] == ["late0"]
+    snap.world, snap.epoch = d.world, d.world.epoch
+    snap.nodes["late0"] = make_node("late0", "spare", slots=2, warm=1)  # its second worker warmed up
+    d2 = decide(snap)
+    assert d2.action == "grow" and d2.world.size == 4 and d2.world.grown_from == 3
+    sids = [d2.world.sid(r) for r in range(4)]
+    assert len(set(sids)) == 4
+
+
+def test_a_loss_is_handled_before_growing():
+    snap = shrunk_snapshot()
+    add_node(snap, make_node("late0", "spare", warm=1))
+    lose(snap, "node2")  # rank 1 of the shrunk world
+    d = decide(snap)
+    assert d.action == "swap" and d.world.seats[1].node == "late0"
+
+
+def test_a_full_world_never_grows():
+    snap = snapshot_running(ranks=3, spares=1, policy="shrink")
+    snap.nodes["spare0"] = make_node("spare0", "spare", warm=1)
+    assert decide(snap).action == "none"
+
+
 # -- failure during recovery ------------------------------------------------------------
 def recovering_snapshot(spares: int = 2, policy: str = "wait") -> JobSnapshot:
     """Epoch 2 after node1 was lost at epoch 1 and rank 1 moved to spare0."""
@@ -896,6 +977,7 @@ def test_a_second_loss_during_recovery_keeps_the_recovered_seat():
         ("place", None),
         ("swap", None),
         ("shrink", None),
+        ("grow", None),
     ],
 )
 def test_final_state_maps_only_succeed_fail_and_cancel(action, state):
@@ -961,5 +1043,7 @@ def test_every_decision_on_a_running_job_is_consistent(snap):
     elif d.action == "shrink":
         assert d.world.size == old.size - len(losses) >= snap.spec["min_ranks"]
         assert d.world.shrunk_from == old.size
+    if d.world is not None:  # every seat's state keeps a name of its own
+        assert len({d.world.sid(r) for r in range(d.world.size)}) == d.world.size
     else:
         assert d.world is None

@@ -149,15 +149,24 @@ def test_token_stream_state_roundtrip_and_sharding():
     assert torch.equal(solo.starts(), union)
 
 
-def test_token_stream_epoch_rollover():
+def test_token_stream_epoch_rollover_reads_the_tail_then_the_next_epoch():
     tokens = torch.arange(30)
     d = gpt.TokenStream(tokens, 4, 3, rank=1, world_size=2, seed=0)  # 26 starts, 6 per step
-    perm0 = d.permutation(0).clone()
-    batches = [d.next_batch() for _ in range(5)]  # 4 steps fill epoch 0 (24 of 26)
-    assert d.state_dict() == {"epoch": 1, "pos": 6}
+    perm0, perm1 = d.permutation(0).clone(), d.permutation(1).clone()
+    batches = [d.next_batch() for _ in range(5)]  # step 5 reads 24..25 of epoch 0, 0..3 of epoch 1
+    assert d.state_dict() == {"epoch": 1, "pos": 4}
     assert torch.equal(batches[0][0][:, 0], perm0[3:6])
-    assert torch.equal(batches[4][0][:, 0], d.permutation(1)[3:6])
-    assert not torch.equal(d.permutation(0), d.permutation(1))
+    assert torch.equal(batches[4][0][:, 0], perm1[1:4])  # rank 1's block: stream entries 27..29
+    assert d.last[0].tolist() == [1, 1, 1]
+    assert not torch.equal(perm0, perm1)
+
+
+def test_token_stream_num_samples_limits_the_epoch():
+    tokens, _ = gpt.load_corpus()
+    d = gpt.TokenStream(tokens, 16, 4, seed=7, num_samples=10)
+    assert sorted(d.permutation(0).tolist()) == list(range(10))
+    d.next_batch(), d.next_batch(), d.next_batch()
+    assert d.state_dict() == {"epoch": 1, "pos": 2}
 
 
 def test_resume_from_step_10_is_bit_identical():
