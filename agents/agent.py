@@ -164,7 +164,7 @@ class Agent:
         self._checkpoint_step: int | None = None
         self._persister = Persister(
             self.run_dir, spec, job=self.job,
-            local_ranks=self._local_sids,
+            local_ranks=self._local_seats,
             world=lambda: self._world_info,
             requested=lambda: self._checkpoint_step,
             event=lambda kind, msg, **data: self._event(kind, msg, **data),
@@ -271,6 +271,10 @@ class Agent:
             self.js.event(kind, self.node, message, node=self.node, **data)
         except StoreError as e:
             log.warning("event %s not recorded: %s", kind, e)
+
+    def _local_seats(self) -> dict[int, int]:
+        """sid -> current rank of the live local workers (a shrink renumbers ranks, not sids)."""
+        return {w.sid: w.rank for w in list(self.workers.values()) if w.rank is not None and w.proc.poll() is None}
 
     def _local_sids(self) -> set[int]:
         """State ids of the live local workers: the names of their snapshot files."""

@@ -27,7 +27,7 @@ class Persister:
         spec: dict,
         *,
         job: str,
-        local_ranks: Callable[[], set[int]],
+        local_ranks: Callable[[], dict[int, int]],  # sid (names the slot files) -> current rank
         world: Callable[[], tuple[int, int]],  # (epoch, world size)
         requested: Callable[[], int | None],
         event: Callable[..., None],
@@ -44,7 +44,7 @@ class Persister:
         self.requested = requested
         self.event = event
         self.interval = interval
-        self.done: dict[int, int] = {}  # rank -> newest step persisted (or given up on)
+        self.done: dict[int, int] = {}  # sid -> newest step persisted (or given up on)
         self.failed: dict[int, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="persister", daemon=True)
@@ -75,28 +75,28 @@ class Persister:
                 log.exception("persist round failed")
 
     def persist_once(self) -> None:
-        for rank in sorted(self.local_ranks()):
-            views = [v for k in range(2) if (v := persist.open_slot(self.run_dir / f"rank{rank}.point{k}"))]
+        for sid, rank in sorted(self.local_ranks().items()):
+            views = [v for k in range(2) if (v := persist.open_slot(self.run_dir / f"rank{sid}.point{k}"))]
             try:
                 for view in sorted(views, key=lambda v: -int(v.header["step"])):
                     step = int(view.header["step"])
-                    if step > self.done.get(rank, -1) and self.wanted(step):
-                        self._persist(view, rank, step)
+                    if step > self.done.get(sid, -1) and self.wanted(step):
+                        self._persist(view, sid, rank, step)
                         break  # the newest wanted point only
             finally:
                 for v in views:
                     v.close()
 
-    def _persist(self, view: persist.SlotView, rank: int, step: int) -> None:
+    def _persist(self, view: persist.SlotView, sid: int, rank: int, step: int) -> None:
         epoch, size = self.world()
         try:
             rec = persist.write_rank(view, self.root, rank=rank, job=self.job, epoch=epoch,
-                                     local_dir=self.local_dir)
+                                     world_size=size, local_dir=self.local_dir)
         except InterruptedError as e:
             log.info("%s; next point", e)
             return
         except OSError as e:
-            self.done[rank] = step  # do not retry the same step in a loop
+            self.done[sid] = step  # do not retry the same step in a loop
             prev = persist.complete_steps(self.root)
             what = "disk full" if persist.is_disk_full(e) else "write failed"
             msg = (f"persisting step {step} of rank {rank} to {self.root} failed ({what}: "
@@ -105,7 +105,7 @@ class Persister:
             log.error(msg)
             self.event("persist-failed", msg, rank=rank, step=step, error=str(e))
             return
-        self.done[rank] = step
+        self.done[sid] = step
         log.info("persisted rank %d step %d: %d bytes in %.3fs", rank, step, rec["bytes"], rec["write_s"])
         if persist.try_finish(self.root, step, size, self.job):
             removed = persist.prune(self.root, self.keep)

@@ -211,7 +211,7 @@ def _fsync_dir(d: Path) -> None:
 
 
 def write_rank(view: SlotView, root: str | Path, *, rank: int, job: str, epoch: int,
-               local_dir: str | Path | None = None) -> dict:
+               world_size: int = 0, local_dir: str | Path | None = None) -> dict:
     """Stream one rank's snapshot slot into ``root`` (via ``local_dir`` first, if given).
 
     Returns the rank record (also written as ``rank<r>.json``). Raises OSError (ENOSPC, ...)
@@ -256,7 +256,8 @@ def write_rank(view: SlotView, root: str | Path, *, rank: int, job: str, epoch: 
         tmp.unlink(missing_ok=True)
         raise
     size = len(head) + sum(n for _, n in spans)
-    rec = {"rank": rank, "step": step, "epoch": epoch, "file": name, "bytes": size, "crc32": crc,
+    rec = {"rank": rank, "step": step, "epoch": epoch, "world_size": world_size, "file": name,
+           "bytes": size, "crc32": crc,
            "write_s": round(time.perf_counter() - t0, 4)}
     if local_dir:  # local SSD -> shared path
         sub = step_dir("", step).name
@@ -307,6 +308,8 @@ def try_finish(root: str | Path, step: int, world_size: int, job: str) -> bool:
             recs[str(r)] = json.loads(_read(root, sub, f"rank{r}.json"))
         except (OSError, ValueError):
             return False
+        if recs[str(r)].get("world_size", world_size) != world_size:
+            return False  # written before a shrink/grow renumbered the ranks: not one checkpoint
     _write_small(root, {"job": job, "step": step, "world_size": world_size, "files": recs,
                         "time": time.time(), "format": "hotspare-ckpt-1"}, sub, "manifest.json")
     if _remote(root) is None:

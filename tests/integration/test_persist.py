@@ -44,7 +44,7 @@ def _train_to(eng, model, opt, upto: int, start: int = 0) -> None:
 
 def _persister(eng, root: Path, events: list, **spec) -> Persister:
     s = {"persist_every": 10, "persist_path": str(root), "output_dir": str(root.parent), **spec}
-    return Persister(eng.dir, s, job="t", local_ranks=lambda: {0}, world=lambda: (1, 1),
+    return Persister(eng.dir, s, job="t", local_ranks=lambda: {0: 0}, world=lambda: (1, 1),
                      requested=lambda: None, event=lambda kind, msg, **d: events.append((kind, msg, d)))
 
 
@@ -163,7 +163,7 @@ def test_fsspec_url_as_the_shared_path(tmp_path):
     url = "memory://hotspare-test/ckpt"
     s = {"persist_every": 10, "persist_path": url, "output_dir": str(tmp_path),
          "persist_local_dir": str(tmp_path / "ssd"), "persist_keep": 1}
-    p = Persister(eng.dir, s, job="t", local_ranks=lambda: {0}, world=lambda: (1, 1),
+    p = Persister(eng.dir, s, job="t", local_ranks=lambda: {0: 0}, world=lambda: (1, 1),
                   requested=lambda: None, event=lambda kind, msg, **d: events.append((kind, msg, d)))
     _train_to(eng, model, opt, 10)
     p.persist_once()
