@@ -16,7 +16,7 @@ demo: setup
 	$(VENV)/bin/hotspare run configs/demo.yaml
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 lint: setup
 	$(VENV)/bin/ruff check orchestrator agents recovery tests benchmarks examples
