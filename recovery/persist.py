@@ -21,17 +21,18 @@ from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import re
 import shutil
 import struct
 import time
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
-from .slotfile import _CTRL, COMPLETE, CTRL_SIZE, MAGIC
+from .slotfile import SlotView, open_slot
+
+__all__ = ["CheckpointError", "SlotView", "open_slot", "write_rank", "try_finish", "prune",
+           "complete_steps", "read_manifest", "load_rank", "load_checkpoint", "checkpoint_path"]
 
 #: snapshot dtype names -> safetensors dtype codes
 ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
@@ -118,47 +119,6 @@ def _step_names(root: str | Path) -> list[str]:
 
 
 # -- writing (agent side) -----------------------------------------------------------------
-@dataclass
-class SlotView:
-    """A COMPLETE slot file mapped read-only; ``valid()`` says it was not overwritten since."""
-
-    path: Path
-    mm: mmap.mmap
-    header: dict
-    data_off: int
-    seq: int
-
-    def valid(self) -> bool:
-        _, state, _, seq, *_ = struct.unpack_from(_CTRL, self.mm, 0)
-        return state == COMPLETE and seq == self.seq
-
-    def close(self) -> None:
-        self.mm.close()
-
-
-def open_slot(path: Path) -> SlotView | None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        size = os.fstat(fd).st_size
-        if size < CTRL_SIZE:
-            return None
-        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    magic, state, _step, seq, hlen, doff, dlen = struct.unpack_from(_CTRL, mm, 0)
-    if magic != MAGIC or state != COMPLETE or doff + dlen > size:
-        mm.close()
-        return None
-    v = SlotView(path, mm, json.loads(bytes(mm[CTRL_SIZE: CTRL_SIZE + hlen])), doff, seq)
-    if not v.valid():
-        v.close()
-        return None
-    return v
-
-
 def _st_header(tensors: list[dict], meta: dict) -> tuple[bytes, list[tuple[int, int]]]:
     """safetensors header for the tensors laid end to end (no holes), and each one's
     (offset, nbytes) in the slot's data area."""

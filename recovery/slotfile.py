@@ -11,6 +11,7 @@ import json
 import mmap
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 MAGIC = b"HSSNAP01"
@@ -19,8 +20,28 @@ CTRL_SIZE = 64
 EMPTY, WRITING, COMPLETE = 0, 1, 2
 
 
-def read_slot(path: Path) -> tuple[dict, bytes | memoryview, int] | None:
-    """(header, data bytes, seq) of a COMPLETE slot file, consistent, or None."""
+@dataclass
+class SlotView:
+    """A COMPLETE slot file mapped read-only; ``valid()`` says it was not overwritten since."""
+
+    path: Path
+    mm: mmap.mmap
+    header: dict
+    data_off: int
+    data_len: int
+    seq: int
+
+    def valid(self) -> bool:
+        _, state, _, seq, *_ = struct.unpack_from(_CTRL, self.mm, 0)
+        return state == COMPLETE and seq == self.seq
+
+    def close(self) -> None:
+        self.mm.close()
+
+
+def open_slot(path: Path) -> SlotView | None:
+    """Map a COMPLETE slot file (None if absent, not complete, or torn): zero-copy readers
+    use it and check ``valid()`` after reading."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -32,18 +53,35 @@ def read_slot(path: Path) -> tuple[dict, bytes | memoryview, int] | None:
         mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
-    try:
-        magic, state, step, seq, hlen, doff, dlen = struct.unpack_from(_CTRL, mm, 0)
-        if magic != MAGIC or state != COMPLETE or doff + dlen > size:
-            return None
-        header = json.loads(bytes(mm[CTRL_SIZE : CTRL_SIZE + hlen]))
-        used = header.get("data_len", dlen)
-        data = bytes(mm[doff : doff + used])
-        if struct.unpack_from(_CTRL, mm, 0)[3] != seq or struct.unpack_from(_CTRL, mm, 0)[1] != COMPLETE:
-            return None  # overwritten while we read
-        return header, data, seq
-    finally:
+    magic, state, _step, seq, hlen, doff, dlen = struct.unpack_from(_CTRL, mm, 0)
+    if magic != MAGIC or state != COMPLETE or doff + dlen > size:
         mm.close()
+        return None
+    try:
+        header = json.loads(bytes(mm[CTRL_SIZE : CTRL_SIZE + hlen]))
+    except ValueError:
+        mm.close()
+        return None
+    v = SlotView(path, mm, header, doff, dlen, seq)
+    if not v.valid():
+        v.close()
+        return None
+    return v
+
+
+def read_slot(path: Path) -> tuple[dict, bytes | memoryview, int] | None:
+    """(header, data bytes, seq) of a COMPLETE slot file, consistent, or None."""
+    v = open_slot(path)
+    if v is None:
+        return None
+    try:
+        used = v.header.get("data_len", v.data_len)
+        data = bytes(v.mm[v.data_off : v.data_off + used])
+        if not v.valid():
+            return None  # overwritten while we read
+        return v.header, data, v.seq
+    finally:
+        v.close()
 
 
 def slot_steps(path: Path) -> tuple[int, int] | None:

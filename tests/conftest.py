@@ -28,6 +28,15 @@ def etcd(tmp_path):
     srv.stop()
 
 
+def wait_until(pred, what: str = "condition", timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
 def write_spec(tmp: Path, **fields) -> Path:
     """A job spec YAML under ``tmp`` (defaults: the allreduce example, 3 ranks + 1 spare)."""
     spec = {
@@ -86,12 +95,7 @@ class Cluster:
         return JobStore(self.store, name)
 
     def wait(self, pred, timeout: float = 120, what: str = "condition") -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if pred():
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        wait_until(pred, what, timeout)
 
     def run_json(self, *args: str, timeout: float = 240) -> tuple[dict, subprocess.CompletedProcess]:
         r = self.hotspare("run", *args, "--json", timeout=timeout)

@@ -20,7 +20,7 @@ import pytest
 from orchestrator.launchers import load_record, record_endpoints
 from orchestrator.store import JobStore, Store
 
-from ..conftest import write_spec
+from ..conftest import wait_until, write_spec
 from ..slurm_cluster import SlurmCluster
 from .test_exact_recovery import assert_identical, gpt_spec
 
@@ -69,12 +69,7 @@ class SlurmJob:
         return "\n".join(f"== {f.name}\n{f.read_text(errors='replace')[-1500:]}" for f in sorted(out.glob("*")))
 
     def wait_for(self, pred, what: str, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if pred():
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"timed out waiting for {what}")
+        wait_until(pred, what, timeout)
 
     def close(self) -> None:
         if self.store is not None:
