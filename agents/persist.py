@@ -81,6 +81,9 @@ class Persister:
                 for view in sorted(views, key=lambda v: -int(v.header["step"])):
                     step = int(view.header["step"])
                     if step > self.done.get(sid, -1) and self.wanted(step):
+                        if step in persist.complete_steps(self.root):
+                            self.done[sid] = step  # complete already: never rewrite it
+                            break
                         self._persist(view, sid, rank, step)
                         break  # the newest wanted point only
             finally:

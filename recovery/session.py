@@ -428,12 +428,12 @@ class Session:
         from . import persist
 
         root = self._persist_root()
-        for step in reversed(persist.complete_steps(root)):
-            try:
+        try:  # never let the fallback's lookup break a recovery that may not need it
+            for step in reversed(persist.complete_steps(root)):
                 if int(persist.read_manifest(root, step)["world_size"]) == self.world_size:
                     return step
-            except persist.CheckpointError as e:
-                log.warning("%s", e)
+        except Exception as e:  # noqa: BLE001 - CheckpointError, fsspec/object-store errors
+            log.warning("persisted checkpoints in %s not usable: %s", root, e)
         return -1
 
     def _restore_persisted(self, step: int, t0: float) -> dict:
