@@ -200,6 +200,13 @@ def _submit(args: argparse.Namespace):
             raise CliError(f"{e}; cancel it first (`hotspare cancel {spec.name}`) or pick another name") from e
     else:
         eps = []  # the backend starts etcd and registers the job from inside the cluster
+        from .launchers import load_record
+
+        old = load_record(_state_dir(args), spec.name)
+        if old and old.get("backend") == spec.backend and not launcher.ended(old["info"]):
+            # its files (script, secret, endpoints) would be overwritten under the running job
+            raise CliError(f"job {spec.name} is still running ({launcher.describe(old['info'])}); "
+                           f"cancel it first (`hotspare cancel {spec.name}`) or pick another name")
     Path(d["output_dir"]).mkdir(parents=True, exist_ok=True)
     try:
         info = launcher.launch(d, eps)
@@ -366,14 +373,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         js = _jobstore(args)
     except CliError as e:
-        final = Path(rec["output_dir"]) / "final-status.json" if rec else None
-        if final is None or not final.exists():
+        data = _final_status(rec)
+        if data is None:
             raise CliError(f"{e}" + (f"; {rec['backend']}: {sched}" if sched else "")) from e
         # the job's own etcd is gone with its allocation: show what it left behind
-        data = json.loads(final.read_text())
         data["scheduler"] = sched
         print(json.dumps(data) if args.json else
-              f"job {args.job}: {data.get('state')} (from {final}; its etcd is gone)\n"
+              f"job {args.job}: {data.get('state')} (from {rec['output_dir']}/final-status.json; its etcd is gone)\n"
               f"  {rec['backend']}: {sched or '-'}")
         return 0
     snap = js.snapshot()
@@ -420,8 +426,20 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_events(args: argparse.Namespace) -> int:
     from . import timeline
 
-    js = _jobstore(args)
-    events = js.events()
+    from .launchers import left_behind
+    from .store.records import Event
+
+    rec = _launched(args, args.job)
+    try:
+        events = _jobstore(args).events()
+    except CliError:
+        final = left_behind(rec, "final-events.json")
+        if final is None:
+            raise
+        # the job's own etcd is gone with its allocation: the timeline it left behind
+        events = [Event(**e) for e in final.get("events", [])]
+        if not args.json:
+            print(f"(from {rec['output_dir']}/final-events.json; the job's etcd is gone)")
     recs = timeline.recoveries(events)
     if args.json:
         print(json.dumps({"events": [e.__dict__ for e in events], "recoveries": recs}))
@@ -492,14 +510,45 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _final_status(rec: dict | None) -> dict | None:
+    """What a job that brought its own etcd left behind when its allocation ended."""
+    from .launchers import left_behind
+
+    data = left_behind(rec, "final-status.json")
+    return data if data and data.get("state") else None
+
+
 def cmd_wait(args: argparse.Namespace) -> int:
     from .store import JobStore, StoreError
 
-    st = _store(_job_endpoints(args, args.job))
-    js = JobStore(st, args.job)
-    start, said = time.monotonic(), False
+    rec = _launched(args, args.job)
+    js = None if rec else JobStore(_store(_endpoints(args)), args.job)
+    start, said, checked = time.monotonic(), False, 0.0
+
+    def allocation_over() -> int | None:
+        """A job with its own etcd: once the scheduler says its allocation is over (and its
+        etcd with it), the answer is what it left behind."""
+        nonlocal checked
+        if rec is None or time.monotonic() - checked < 5:
+            return None
+        checked = time.monotonic()
+        launcher = _launcher(rec["backend"])
+        if not launcher.ended(rec["info"]):
+            return None
+        final = _final_status(rec)
+        if final is None:  # e.g. cancelled, or killed at its time limit, before it could write one
+            print(f"job {args.job} did not succeed: {launcher.describe(rec['info'])}, and it left no "
+                  f"{rec['output_dir']}/final-status.json; see the logs in {rec['output_dir']}/logs", flush=True)
+            return 1
+        print(f"job {args.job} {final['state']}" + (f": {final['message']}" if final.get("message") else "")
+              + " (its allocation has ended)", flush=True)
+        return 0 if final["state"] == "succeeded" else 1
+
     while True:
         try:
+            if js is None:
+                eps = _job_endpoints(args, args.job)  # CliError while its etcd is not up yet
+                js = JobStore(_store(eps), args.job)
             if js.exists():
                 state, msg = js.state()
                 if state.terminal:
@@ -508,7 +557,12 @@ def cmd_wait(args: argparse.Namespace) -> int:
             elif not said:
                 print(f"waiting for job {args.job} to be registered", flush=True)
                 said = True
-        except StoreError as e:
+        except (StoreError, CliError) as e:
+            rc = allocation_over()
+            if rc is not None:
+                return rc
+            if rec is None and isinstance(e, CliError):
+                raise
             print(f"(etcd: {e}; retrying)", flush=True)
         if args.timeout and time.monotonic() - start > args.timeout:
             raise CliError(f"job {args.job} not finished after --timeout {args.timeout:.0f}s")

@@ -25,6 +25,12 @@ from pathlib import Path
 from typing import Protocol
 
 
+#: What a job that brought its own etcd leaves in its output_dir as it ends (`hotspare status
+#: --json` and `hotspare events --json`), so that status, events and wait still answer once
+#: the allocation and its etcd are gone.
+LEFT_BEHIND = ("final-status.json", "final-events.json")
+
+
 class LaunchError(Exception):
     """The backend could not start the job (a missing tool, a scheduler refusal, ...)."""
 
@@ -110,3 +116,14 @@ def record_endpoints(record: dict) -> list[str]:
         except OSError:
             return []
     return []
+
+
+def left_behind(record: dict | None, name: str) -> dict | None:
+    """One of LEFT_BEHIND for a launched job, or None (absent, or cut short as it was written)."""
+    if record is None:
+        return None
+    try:
+        data = json.loads((Path(record["output_dir"]) / name).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -13,8 +13,10 @@ readable batch script, then runs ``sbatch``. The script, on the allocation's fir
    ``ceil(ranks / ranks_per_node)`` nodes active, the rest spares. One step per node plus
    ``--kill-on-bad-exit=0`` and ``#SBATCH --no-kill`` mean that a lost node ends its own
    step only; the spare on another node takes its ranks over;
-4. waits for the job to finish (``hotspare wait``), then saves ``hotspare status --json`` to
-   ``final-status.json`` so that ``hotspare status`` still answers after etcd is gone.
+4. waits for the job to finish (``hotspare wait``). On every exit (scancel and the time
+   limit included) it saves ``hotspare status --json`` and ``hotspare events --json`` to
+   ``final-status.json`` and ``final-events.json`` (``LEFT_BEHIND``), so that ``hotspare
+   status``, ``events`` and ``wait`` still answer after the allocation, and its etcd, are gone.
 
 The first node carries the control plane. With the in-allocation etcd, losing that node
 ends the job (etcd is not replicated); production jobs should name an external, replicated
@@ -32,7 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import LaunchError
+from . import LEFT_BEHIND, LaunchError
 
 #: Slurm job states after which the allocation is gone.
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -83,9 +85,15 @@ def script(spec: dict, endpoints: list[str]) -> str:
         'mkdir -p "$OUT/logs"',
         'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         'echo "hotspare: job $JOB on nodes ${NODES[*]} (first $N_ACTIVE active, the rest spares)"',
-        "agents=(); controller_pid=; etcd_pid=; ETCD_DATA=",
+        "agents=(); controller_pid=; etcd_pid=; ETCD_DATA=; ETCD=",
         "cleanup() {  # on every exit, scancel included: stop what we started, drop etcd's data",
-        '  kill "${agents[@]}" $controller_pid $etcd_pid 2>/dev/null; wait',
+        '  # keep the outcome where `hotspare status` finds it after this allocation is gone',
+        '  # (and `hotspare events`): the outcome and the timeline, read from etcd before it stops',
+        '  if [ -n "${ETCD:-}" ] && [ ! -s "$OUT/final-status.json" ]; then',
+        '    timeout 10 "${HOTSPARE[@]}" events "$JOB" --etcd "$ETCD" --json > "$OUT/final-events.json" 2>/dev/null',
+        '    timeout 10 "${HOTSPARE[@]}" status "$JOB" --etcd "$ETCD" --json > "$OUT/final-status.json" 2>/dev/null',
+        '  fi',
+        '  kill ${agents[@]+"${agents[@]}"} $controller_pid $etcd_pid 2>/dev/null; wait',
         '  [ -n "$ETCD_DATA" ] && rm -rf "$ETCD_DATA"',
         "}",
         "trap cleanup EXIT",
@@ -120,17 +128,14 @@ def script(spec: dict, endpoints: list[str]) -> str:
         '  srun --nodes=1 --ntasks=1 --nodelist="$node" --overlap --kill-on-bad-exit=0 \\',
         '       --output="$OUT/logs/agent-$node.log" \\',
         "       bash -c 'exec \"$@\" --host \"${HOTSPARE_HOST:-$(hostname -I 2>/dev/null | cut -d\" \" -f1)}\"' _ \\",
-        '       "${HOTSPARE[@]}" agent --job "$JOB" --etcd "$ETCD" --node "$node" --wait 300 "${role[@]}" &',
+        '       "${HOTSPARE[@]}" agent --job "$JOB" --etcd "$ETCD" --node "$node" --wait 300 ${role[@]+"${role[@]}"} &',
         "  agents+=($!)",
         "done",
         "",
         "# 4. wait for the job to finish (a lost node's srun may never return: do not wait on them)",
         '"${HOTSPARE[@]}" wait "$JOB" --etcd "$ETCD"; rc=$?',
         'for _ in $(seq 100); do kill -0 "${agents[@]}" 2>/dev/null || break; sleep 0.1; done',
-        "",
-        "# 5. keep the outcome where `hotspare status` finds it after this allocation is gone",
-        '"${HOTSPARE[@]}" status "$JOB" --etcd "$ETCD" --json > "$OUT/final-status.json" 2>/dev/null',
-        "exit $rc",
+        "exit $rc  # cleanup (above) writes final-status.json",
         "",
     ]
     return "\n".join(lines)
@@ -163,6 +168,8 @@ class SlurmLauncher:
         with os.fdopen(fd, "w") as fh:
             fh.write(secrets.token_hex(32))
         f["endpoints"].unlink(missing_ok=True)
+        for left in LEFT_BEHIND:  # an earlier run's outcome must not answer for this one
+            (Path(spec["output_dir"]) / left).unlink(missing_ok=True)
         f["script"].write_text(script(spec, endpoints))
         f["script"].chmod(0o755)
         r = _run(["sbatch", "--parsable", str(f["script"])])

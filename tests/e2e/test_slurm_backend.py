@@ -19,6 +19,7 @@ import pytest
 
 from orchestrator.launchers import load_record, record_endpoints
 from orchestrator.store import JobStore, Store
+from orchestrator.store.errors import StoreUnavailable
 
 from ..conftest import wait_until, write_spec
 from ..slurm_cluster import SlurmCluster
@@ -68,8 +69,12 @@ class SlurmJob:
         out = Path(self.record(job)["output_dir"]) / "logs"
         return "\n".join(f"== {f.name}\n{f.read_text(errors='replace')[-1500:]}" for f in sorted(out.glob("*")))
 
-    def wait_for(self, pred, what: str, timeout: float = 120) -> None:
-        wait_until(pred, what, timeout)
+    def wait_for(self, pred, what: str, timeout: float = 120, job: str | None = None) -> None:
+        try:
+            wait_until(pred, what, timeout)
+        except (AssertionError, StoreUnavailable) as e:
+            # the allocation's etcd goes with the allocation: say what the job left behind
+            raise AssertionError(f"{e}\n{self.slurm_log(job) if job else ''}") from e
 
     def close(self) -> None:
         if self.store is not None:
@@ -85,7 +90,9 @@ def slurm_job(slurm, tmp_path):
 
 
 def test_node_loss_on_slurm_spare_takes_over_bit_identical(slurm, slurm_job, reference):
-    spec = gpt_spec(slurm_job, "slurmloss", backend="slurm")
+    # every step waits >= 0.2 s for its snapshot copy (timing only): unslowed, the 60 steps
+    # take about a second and the job can end before the node is lost
+    spec = gpt_spec(slurm_job, "slurmloss", backend="slurm", env={"HOTSPARE_TEST_SNAPSHOT_DELAY": "0.2"})
     r = slurm_job.hotspare("submit", str(spec))
     assert r.returncode == 0, r.stdout + r.stderr
     rec = slurm_job.record("slurmloss")
@@ -94,8 +101,12 @@ def test_node_loss_on_slurm_spare_takes_over_bit_identical(slurm, slurm_job, ref
 
     js = slurm_job.jobstore("slurmloss")
     # lose the node of rank 1 once training is past the first replicated point (step 10)
-    slurm_job.wait_for(lambda: (p := js.snapshot().progress) and len(p) == 3
-                       and min(x.step for x in p.values()) >= 15, "step 15 on every rank")
+    def past_step_15() -> bool:
+        snap = js.snapshot()
+        assert not snap.state.terminal, f"the job ended ({snap.state.value}) before a node could be lost"
+        return len(snap.progress) == 3 and min(x.step for x in snap.progress.values()) >= 15
+
+    slurm_job.wait_for(past_step_15, "step 15 on every rank", job="slurmloss")
     world = js.snapshot().world
     victim = world.seats[1].node
     spares = [n for n in slurm.names if n not in {s.node for s in world.seats}]
@@ -105,21 +116,26 @@ def test_node_loss_on_slurm_spare_takes_over_bit_identical(slurm, slurm_job, ref
 
     w = slurm_job.hotspare("wait", "slurmloss", "--timeout", "180", timeout=200)
     assert w.returncode == 0, w.stdout + w.stderr + slurm_job.slurm_log("slurmloss")
-    new_world = js.snapshot().world
-    assert new_world.epoch >= 2 and new_world.seats[1].node == spares[0]
-    assert victim not in {s.node for s in new_world.seats}
-    swaps = [e for e in js.events() if e.kind == "swap"]
-    assert swaps and victim in swaps[0].message, [e.message for e in js.events()]
     assert_identical(reference, slurm_job.tmp / "out" / "slurmloss")
 
-    # once the allocation is gone, status answers from what the batch script left behind
-    slurm_job.wait_for(lambda: "RUNNING" not in slurm_job.hotspare("status", "slurmloss").stdout,
-                       "the Slurm job to end", timeout=60)
-    slurm_job.wait_for(lambda: (Path(rec["output_dir"]) / "final-status.json").exists(), "final status")
-    s = slurm_job.hotspare("status", "slurmloss", "--json")
-    assert s.returncode == 0, s.stderr
-    data = json.loads(s.stdout)
-    assert data["state"] == "succeeded" and data["scheduler"].startswith(f"Slurm job {job_id} COMPLETED")
+    # the allocation, and its etcd with it, ends right after the job: status, events and wait
+    # answer from what the batch script left behind
+    def ended() -> dict | None:
+        s = slurm_job.hotspare("status", "slurmloss", "--json")
+        data = json.loads(s.stdout) if s.returncode == 0 else {}
+        return data if f"Slurm job {job_id} COMPLETED" in (data.get("scheduler") or "") else None
+
+    slurm_job.wait_for(ended, "Slurm to report the job COMPLETED", timeout=60, job="slurmloss")
+    data = ended()
+    assert data["state"] == "succeeded", data
+    assert data["epoch"] >= 2 and data["ranks"][1]["node"] == spares[0], data
+    assert victim not in {r["node"] for r in data["ranks"]}
+    e = slurm_job.hotspare("events", "slurmloss", "--json")
+    assert e.returncode == 0, e.stderr
+    swaps = [ev for ev in json.loads(e.stdout)["events"] if ev["kind"] == "swap"]
+    assert swaps and victim in swaps[0]["message"], e.stdout
+    w = slurm_job.hotspare("wait", "slurmloss", "--timeout", "60", timeout=90)
+    assert w.returncode == 0 and "succeeded" in w.stdout and "allocation has ended" in w.stdout, w.stdout + w.stderr
     logs = slurm_job.hotspare("logs", "slurmloss", "--node", spares[0], "--tail", "50")
     assert logs.returncode == 0 and "agent-" + spares[0] in logs.stdout
 
@@ -136,6 +152,16 @@ def test_cancel_on_slurm_releases_the_allocation(slurm, slurm_job):
     job_id = slurm_job.record("slurmcancel")["info"]["job_id"]
     slurm_job.wait_for(lambda: not slurm.run("squeue", "-h", "-j", job_id, check=False).stdout.strip(),
                        "the allocation to be released", timeout=60)
+    # its etcd went with the allocation: `hotspare wait` answers from Slurm and what was left
+    w = slurm_job.hotspare("wait", "slurmcancel", "--timeout", "60", timeout=90)
+    assert w.returncode == 1 and "cancelled" in w.stdout.lower(), w.stdout + w.stderr
+    # and the name can be used again at once
+    r = slurm_job.hotspare("submit", str(gpt_spec(slurm_job, "slurmcancel", backend="slurm", spares=0)))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not (Path(slurm_job.record("slurmcancel")["output_dir"]) / "final-status.json").exists(), \
+        "an earlier run's final status would answer for the new one"
+    w = slurm_job.hotspare("wait", "slurmcancel", "--timeout", "120", timeout=150)
+    assert w.returncode == 0, w.stdout + w.stderr + slurm_job.slurm_log("slurmcancel")
 
 
 def test_slurm_dry_run_prints_the_script_and_submits_nothing(slurm, slurm_job):
