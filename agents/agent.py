@@ -33,6 +33,7 @@ from orchestrator.store import (
 from .heartbeat import RUNNING, STATE_NAMES, WARM, Heartbeat
 from .persist import Persister
 from .replica import ReplicaServer, ReplicaStore, Replicator
+from .worker import EXIT_UNRECOVERABLE, fatal_path
 
 log = logging.getLogger("hotspare.agent")
 
@@ -349,6 +350,13 @@ class Agent:
             if w.rank is not None and code != 0:
                 sig = -code if code < 0 else None
                 kind = "hang" if w.hang_killed else "exit"
+                why = ""
+                if code == EXIT_UNRECOVERABLE:  # its state is gone everywhere: the job cannot go on
+                    kind = "fatal"
+                    try:
+                        why = fatal_path(w.hb.path).read_text().strip()
+                    except OSError:
+                        why = "its state cannot be restored (see its rank log)"
                 rep = Report(
                     node=self.node,
                     rank=w.rank,
@@ -358,7 +366,8 @@ class Agent:
                     signal=sig,
                     time=now,
                     message=f"worker pid {w.proc.pid} " + (
-                        "hung (no heartbeat) and was killed" if kind == "hang"
+                        f"cannot go on: {why}" if kind == "fatal"
+                        else "hung (no heartbeat) and was killed" if kind == "hang"
                         else (f"killed by signal {sig}" if sig else f"exited with code {code}")
                     ),
                 )

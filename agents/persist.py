@@ -80,35 +80,46 @@ class Persister:
             try:
                 for view in sorted(views, key=lambda v: -int(v.header["step"])):
                     step = int(view.header["step"])
-                    if step > self.done.get(sid, -1) and self.wanted(step):
+                    # a step computed again after a rollback is a new (timeline, step): persisted
+                    # again, never mixed with the files of its first computation
+                    key = (int(view.header.get("timeline", 0)), step)
+                    if key > self.done.get(sid, (-1, -1)) and self.wanted(step):
                         if step in persist.complete_steps(self.root):
-                            self.done[sid] = step  # complete already: never rewrite it
+                            self.done[sid] = key  # complete already: never rewrite it
                             break
-                        self._persist(view, sid, rank, step)
+                        self._persist(view, sid, rank, key)
                         break  # the newest wanted point only
             finally:
                 for v in views:
                     v.close()
 
-    def _persist(self, view: persist.SlotView, sid: int, rank: int, step: int) -> None:
-        epoch, size = self.world()
+    def _persist(self, view: persist.SlotView, sid: int, rank: int, key: tuple[int, int]) -> None:
+        timeline, step = key
+        # the rank and world size the state belongs to, as the worker wrote them with it
+        # (the agent's current assignment may already be a newer epoch's)
+        rank = int(view.header.get("world_rank", rank))
+        size = int(view.header.get("world_size") or self.world()[1])
         try:
-            rec = persist.write_rank(view, self.root, rank=rank, job=self.job, epoch=epoch,
+            rec = persist.write_rank(view, self.root, rank=rank, job=self.job, timeline=timeline,
                                      world_size=size, local_dir=self.local_dir)
         except InterruptedError as e:
             log.info("%s; next point", e)
             return
-        except OSError as e:
-            self.done[sid] = step  # do not retry the same step in a loop
-            prev = persist.complete_steps(self.root)
-            what = "disk full" if persist.is_disk_full(e) else "write failed"
+        except Exception as e:  # noqa: BLE001 - OSError (disk full, ...) or an object store's own
+            self.done[sid] = key  # do not retry the same step in a loop
+            try:
+                prev = persist.complete_steps(self.root)
+            except Exception:  # noqa: BLE001
+                prev = []
+            what = ("disk full" if persist.is_disk_full(e) else "write failed") if isinstance(e, OSError) \
+                else type(e).__name__
             msg = (f"persisting step {step} of rank {rank} to {self.root} failed ({what}: "
-                   f"{e.strerror or e}); "
+                   f"{getattr(e, 'strerror', None) or e}); "
                    + (f"the previous checkpoint (step {prev[-1]}) is intact" if prev else "no earlier checkpoint exists"))
             log.error(msg)
             self.event("persist-failed", msg, rank=rank, step=step, error=str(e))
             return
-        self.done[sid] = step
+        self.done[sid] = key
         log.info("persisted rank %d step %d: %d bytes in %.3fs", rank, step, rec["bytes"], rec["write_s"])
         if persist.try_finish(self.root, step, size, self.job):
             removed = persist.prune(self.root, self.keep)

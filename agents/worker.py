@@ -34,6 +34,18 @@ def die_with_parent() -> None:
         pass
 
 
+#: exit codes the agent tells apart: a fenced worker (its rank moved on without it) and one
+#: whose rank's state cannot be restored from anywhere (reported as a "fatal" loss: the
+#: controller fails the job with the reason instead of trying spare after spare)
+EXIT_FENCED = 3
+EXIT_UNRECOVERABLE = 4
+
+
+def fatal_path(hb_path: Path) -> Path:
+    """Where a worker leaves the reason it cannot go on, for its agent to report."""
+    return hb_path.with_name(hb_path.name + ".fatal")
+
+
 def load_entrypoint(entrypoint: str) -> Callable:
     """``pkg.module:function`` or ``/abs/path/file.py:function``."""
     target, _, func = entrypoint.rpartition(":")
@@ -80,7 +92,7 @@ def main() -> int:
     import torch  # the expensive part of warming up
 
     from orchestrator.store import JobStore
-    from recovery.session import Fenced, Session
+    from recovery.session import Fenced, Session, Unrecoverable
 
     from .agent import store_from_env
 
@@ -127,7 +139,14 @@ def main() -> int:
         fn(session, **(spec.get("args") or {}))
     except Fenced as f:
         logging.warning("fenced: %s; exiting", f.why)
-        return 3
+        return EXIT_FENCED
+    except Unrecoverable as e:
+        logging.error("unrecoverable: %s", e)
+        try:  # the agent reports it, with this text, as a fatal loss: the job fails with it
+            fatal_path(hb.path).write_text(str(e))
+        except OSError:
+            pass
+        return EXIT_UNRECOVERABLE
     except Exception:
         traceback.print_exc()
         return 1

@@ -473,8 +473,19 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _next_point(snap, every: int, margin_s: float) -> int:
+    """The first replication point every rank will reach at least ``margin_s`` from now.
+    Progress is published every few seconds: extrapolate each rank's step from its step time."""
+    now, est, step_time = time.time(), -1.0, 0.0
+    for p in snap.progress.values():
+        guess = p.step + (max(0.0, now - p.time) / p.step_time if p.step_time > 0 else 0.0)
+        est, step_time = max(est, guess), max(step_time, p.step_time)
+    ahead = margin_s / step_time if step_time > 0 else 0.0
+    return (int(est + ahead) // every + 1) * every
+
+
 def cmd_checkpoint(args: argparse.Namespace) -> int:
-    """Persist the job's state at the next replication point, out of schedule."""
+    """Persist the job's state at an upcoming replication point, out of schedule."""
     from recovery import persist
 
     js = _jobstore(args)
@@ -484,30 +495,38 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
         raise CliError(f"job {args.job} is {snap.state.value}; its final state is in {spec.get('output_dir')}/final")
     if not int(spec.get("replicas", 1)):
         raise CliError("persisting needs replication points: this job runs with replicas: 0")
-    every = int(spec.get("replicate_every", 10))
-    newest = max((p.step for p in snap.progress.values()), default=-1)
-    step = (newest // every + 1) * every
-    if step >= int(spec["steps"]):
-        raise CliError(f"job {args.job} is at step {newest} of {spec['steps']}: no replication point "
-                       f"(every {every} steps) is left before the end; the final state will be written")
-    js.store.put(js.keys.checkpoint, json.dumps({"step": step, "time": time.time()}))
+    every, total = int(spec.get("replicate_every", 10)), int(spec["steps"])
     root = spec.get("persist_path") or str(Path(spec["output_dir"]) / "checkpoints")
-    print(f"checkpoint requested at step {step} (the next replication point); it goes to "
-          f"{persist.checkpoint_path(root, step)}", flush=True)
-    if args.no_wait:
-        return 0
+    margin = 2.0  # seconds for the request to reach every agent
     start = time.monotonic()
-    while step not in persist.complete_steps(root):
-        failed = [e for e in js.events() if e.kind == "persist-failed" and e.data.get("step") == step]
-        if failed:
-            raise CliError(failed[0].message)
-        if js.state()[0].terminal:
-            raise CliError(f"job {args.job} ended before step {step} was persisted")
-        if args.timeout and time.monotonic() - start > args.timeout:
-            raise CliError(f"step {step} not persisted after --timeout {args.timeout:.0f}s")
-        time.sleep(0.2)
-    print(f"persisted: {persist.checkpoint_path(root, step)} (manifest written)")
-    return 0
+    while True:
+        step = _next_point(snap, every, margin)
+        if step >= total:
+            newest = max((p.step for p in snap.progress.values()), default=-1)
+            raise CliError(f"job {args.job} is at step {newest} of {total}: no replication point "
+                           f"(every {every} steps) is left before the end; the final state will be written")
+        js.store.put(js.keys.checkpoint, json.dumps({"step": step, "time": time.time()}))
+        print(f"checkpoint requested at step {step} (a replication point); it goes to "
+              f"{persist.checkpoint_path(root, step)}", flush=True)
+        if args.no_wait:
+            return 0
+        while step not in persist.complete_steps(root):
+            failed = [e for e in js.events() if e.kind == "persist-failed" and e.data.get("step") == step]
+            if failed:
+                raise CliError(failed[0].message)
+            snap = js.snapshot()
+            if snap.state.terminal:
+                raise CliError(f"job {args.job} ended before step {step} was persisted")
+            if args.timeout and time.monotonic() - start > args.timeout:
+                raise CliError(f"step {step} not persisted after --timeout {args.timeout:.0f}s")
+            if snap.progress and min(p.step for p in snap.progress.values()) >= step + 3 * every:
+                break  # every rank is two points past it: the request came too late for some agent
+            time.sleep(0.2)
+        else:
+            print(f"persisted: {persist.checkpoint_path(root, step)} (manifest written)")
+            return 0
+        margin *= 2
+        print(f"step {step} passed before every agent saw the request; asking again further ahead", flush=True)
 
 
 def _final_status(rec: dict | None) -> dict | None:

@@ -21,7 +21,7 @@ class Loss:
 
     rank: int
     node: str
-    kind: str  # "exit", "hang", "node-loss"
+    kind: str  # "exit", "hang", "node-loss", "straggler", "fatal" (its state is gone everywhere)
     detail: str = ""
     detected: float = 0.0  # when an agent saw it (0: seen now, by the controller)
 
@@ -186,6 +186,15 @@ def _reconcile(obs: JobSnapshot, spec: dict, world: World) -> Decision:
         )
 
     handled = tuple(stale) + tuple((lo.node, lo.rank) for lo in losses)
+    fatal = [lo for lo in losses if lo.kind == "fatal"]
+    if fatal:  # every member hit it: a spare would only restore nothing again
+        return Decision(
+            "fail",
+            "; ".join(f"rank {lo.rank} on {lo.node}: {lo.detail}" for lo in fatal)
+            + "; the job cannot continue from any copy of its state",
+            losses=tuple(losses),
+            clear_reports=handled,
+        )
     failed_nodes = {lo.node for lo in losses}
     lost_ranks = {lo.rank for lo in losses}
     chosen = _choose_spares(obs, world, losses, failed_nodes, lost_ranks)

@@ -52,9 +52,12 @@ CHAOS_ACTIONS: tuple[str, ...] = (
     "partition-node",
     "kill-controller",
     "restart-etcd",
+    "corrupt-checkpoint",
 )
-#: Actions aimed at one training process; they need ``rank``.
-RANK_ACTIONS: tuple[str, ...] = ("kill-rank", "hang-rank", "slow-rank")
+#: Actions aimed at one training process; they need ``rank``. corrupt-checkpoint damages
+#: that rank's file in the newest complete persisted checkpoint (spec-only: for testing
+#: that recovery refuses it and falls back to an older one).
+RANK_ACTIONS: tuple[str, ...] = ("kill-rank", "hang-rank", "slow-rank", "corrupt-checkpoint")
 #: Actions aimed at a whole node; it is named directly (``node``) or via a rank it hosts (``rank``).
 NODE_ACTIONS: tuple[str, ...] = ("kill-node", "partition-node")
 #: Actions aimed at the control plane; they take no target.

@@ -170,9 +170,12 @@ def _fsync_dir(d: Path) -> None:
         pass
 
 
-def write_rank(view: SlotView, root: str | Path, *, rank: int, job: str, epoch: int,
-               world_size: int = 0, local_dir: str | Path | None = None) -> dict:
+def write_rank(view: SlotView, root: str | Path, *, rank: int, job: str, timeline: int,
+               world_size: int, local_dir: str | Path | None = None) -> dict:
     """Stream one rank's snapshot slot into ``root`` (via ``local_dir`` first, if given).
+
+    ``timeline`` (the epoch whose restore the state descends from) and ``world_size`` go
+    into the rank record: :func:`try_finish` joins only records of one timeline and size.
 
     Returns the rank record (also written as ``rank<r>.json``). Raises OSError (ENOSPC, ...)
     after removing its temporary files; nothing of an earlier checkpoint is touched.
@@ -216,7 +219,7 @@ def write_rank(view: SlotView, root: str | Path, *, rank: int, job: str, epoch: 
         tmp.unlink(missing_ok=True)
         raise
     size = len(head) + sum(n for _, n in spans)
-    rec = {"rank": rank, "step": step, "epoch": epoch, "world_size": world_size, "file": name,
+    rec = {"rank": rank, "step": step, "timeline": timeline, "world_size": world_size, "file": name,
            "bytes": size, "crc32": crc,
            "write_s": round(time.perf_counter() - t0, 4)}
     if local_dir:  # local SSD -> shared path
@@ -257,8 +260,13 @@ def _copy(src: Path, dst: Path) -> None:
 
 
 def try_finish(root: str | Path, step: int, world_size: int, job: str) -> bool:
-    """Write the manifest if every rank's record is there (whoever completes the set does it;
-    two writers write the same content atomically). True if this call completed it."""
+    """Write the manifest if every rank's record is there, all of one world size and one
+    timeline (whoever completes the set does it; two writers write the same content
+    atomically). True if this call completed it.
+
+    Records of another world size were written before a shrink/grow renumbered the ranks;
+    records of another timeline hold the step as computed before a rollback, and the
+    ranks that rolled back write theirs again: either way, not one checkpoint (yet)."""
     sub = step_dir("", step).name
     if _exists(root, sub, "manifest.json"):
         return False
@@ -268,8 +276,10 @@ def try_finish(root: str | Path, step: int, world_size: int, job: str) -> bool:
             recs[str(r)] = json.loads(_read(root, sub, f"rank{r}.json"))
         except (OSError, ValueError):
             return False
-        if recs[str(r)].get("world_size", world_size) != world_size:
-            return False  # written before a shrink/grow renumbered the ranks: not one checkpoint
+        if recs[str(r)].get("world_size") != world_size:
+            return False
+    if len({rec.get("timeline") for rec in recs.values()}) != 1:
+        return False
     _write_small(root, {"job": job, "step": step, "world_size": world_size, "files": recs,
                         "time": time.time(), "format": "hotspare-ckpt-1"}, sub, "manifest.json")
     if _remote(root) is None:

@@ -49,6 +49,10 @@ class Fenced(SystemExit):
         self.why = why
 
 
+class Unrecoverable(RuntimeError):
+    """No copy of the state this rank needs is left (no common snapshot, no usable checkpoint)."""
+
+
 class Session:
     def __init__(
         self,
@@ -273,6 +277,8 @@ class Session:
                 self.epoch = epoch
                 continue
             self.rank, self.world_size, self.epoch = rank, size, epoch
+            # what this epoch computes descends from this epoch's restore (see SnapshotEngine.lineage)
+            self.snapshots.lineage = {"timeline": epoch, "world_rank": rank, "world_size": size}
             log.info("group of epoch %d built in %.3fs", epoch, time.time() - t0)
             self.link.event(
                 "rebuilt",
@@ -356,9 +362,9 @@ class Session:
         common = [top - i for i in range(WINDOW) if mask[i].item() == 1]
         persisted = int(mask[WINDOW].item())  # the newest checkpoint every member sees
         if not common and persisted >= 0:
-            return persisted, self._restore_persisted(persisted, t0)
+            return self._restore_persisted(persisted, t0)
         if not common:
-            raise RuntimeError(
+            raise Unrecoverable(
                 f"rank {self.rank}: no snapshot step is held by every member of epoch {epoch} "
                 f"(this rank offers {sorted(offer)[-5:]}, newest anywhere {top}) and there is no "
                 f"complete persisted checkpoint in {self._persist_root()}: the state of a lost rank "
@@ -378,7 +384,7 @@ class Session:
         else:
             header, body, holder = self._fetch(step, remote[step])
             restore(self.snapshots.providers, tensors_from_bytes(header, body), header["meta"])
-            self.snapshots.capture(step)
+            self.snapshots.capture(step, timeline=header.get("timeline"))
             self.snapshots.wait()
             source, nbytes = f"replica on {holder}", len(body)
         if fresh_ranks:
@@ -415,7 +421,7 @@ class Session:
         restore(self.snapshots.providers, tensors_from_bytes(header, raw[hlen:]), header["meta"])
         digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes() + f"/{self.rank}".encode()).digest()
         reseed(int.from_bytes(digest[:8], "little") >> 1)
-        self.snapshots.capture(step)
+        self.snapshots.capture(step, timeline=header.get("timeline"))
         self.snapshots.wait()
         self._fresh = False
         return f"peer rank {donor} (grown seat)", len(raw) - hlen
@@ -423,33 +429,83 @@ class Session:
     def _persist_root(self) -> str:
         return self.spec.get("persist_path") or str(Path(self.spec["output_dir"]) / "checkpoints")
 
-    def _persisted_step(self) -> int:
-        """Newest complete persisted checkpoint of this world size, or -1."""
+    def _persisted_step(self, below: int | None = None) -> int:
+        """Newest complete persisted checkpoint of this world size (older than ``below``), or -1."""
         from . import persist
 
         root = self._persist_root()
         try:  # never let the fallback's lookup break a recovery that may not need it
             for step in reversed(persist.complete_steps(root)):
+                if below is not None and step >= below:
+                    continue
                 if int(persist.read_manifest(root, step)["world_size"]) == self.world_size:
                     return step
         except Exception as e:  # noqa: BLE001 - CheckpointError, fsspec/object-store errors
             log.warning("persisted checkpoints in %s not usable: %s", root, e)
         return -1
 
-    def _restore_persisted(self, step: int, t0: float) -> dict:
-        """Every member rolls back to the persisted checkpoint (no replica of a lost rank is left)."""
+    def _restore_persisted(self, step: int, t0: float) -> tuple[int, dict]:
+        """Every member rolls back to a persisted checkpoint (no replica of a lost rank is left).
+
+        Each member first reads and verifies its own file; only if every member could (a MIN
+        allreduce of an ok flag) do they restore it. Otherwise they all move on to the next
+        older complete checkpoint, so one corrupt, truncated or pruned file never leaves the
+        others waiting in a collective. None left: :class:`Unrecoverable`, in every member.
+        """
         from . import persist
 
         root = self._persist_root()
-        tensors, meta = persist.load_rank(root, step, self.rank)  # CheckpointError names the file
-        restore(self.snapshots.providers, tensors, meta)
-        self.snapshots.invalidate_after(-2)
-        self.snapshots.capture(step)
-        self.snapshots.wait()
-        self._dirty = False
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        return {"source": f"persisted checkpoint {persist.checkpoint_path(root, step)}", "bytes": nbytes,
-                "seconds": round(time.time() - t0, 4)}
+        refused: list[str] = []
+        while step >= 0:
+            try:
+                m = persist.read_manifest(root, step)
+                tensors, meta = persist.load_rank(root, step, self.rank, m)
+                err = None
+            except Exception as e:  # noqa: BLE001 - CheckpointError names the file; object-store errors
+                tensors, meta, m, err = None, None, None, e
+            if err is not None:
+                log.error("persisted checkpoint of step %d unusable here: %s", step, err)
+                self.link.event("checkpoint-unusable", f"rank {self.rank}: {err}", rank=self.rank,
+                                step=step, epoch=self.epoch)
+            flag = torch.tensor([0 if err else 1, self._persisted_step(below=step)], dtype=torch.int64)
+            if not self._pg.allreduce_(flag, dist.ReduceOp.MIN):
+                raise _StepFailed()
+            if flag[0].item() == 1:
+                restore(self.snapshots.providers, tensors, meta)
+                self.snapshots.invalidate_after(-2)
+                timelines = {rec.get("timeline") for rec in m["files"].values()}
+                self.snapshots.capture(step, timeline=timelines.pop() if len(timelines) == 1 else None)
+                self.snapshots.wait()
+                self._dirty = False
+                nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                return step, {"source": f"persisted checkpoint {persist.checkpoint_path(root, step)}"
+                              + (f" (step(s) {', '.join(refused)} unusable)" if refused else ""),
+                              "bytes": nbytes, "seconds": round(time.time() - t0, 4)}
+            refused.append(str(step))
+            step = int(flag[1].item())  # the newest older one every member sees
+        raise Unrecoverable(
+            f"no usable persisted checkpoint in {root}: step(s) {', '.join(refused)} could not be read by "
+            "every member (see the checkpoint-unusable events) and no older complete one exists"
+        )
+
+    def _corrupt_checkpoint(self) -> None:
+        """Chaos: flip bytes in the middle of this rank's file of the newest complete checkpoint
+        (a bad disk, a torn copy) -- recovery must refuse it and fall back to an older one."""
+        from . import persist
+
+        root = self._persist_root()
+        steps = persist.complete_steps(root) if "://" not in root else []
+        if not steps:
+            self.link.event("corrupted", f"corrupt-checkpoint: no complete checkpoint in {root} yet", rank=self.rank)
+            return
+        f = persist.step_dir(root, steps[-1]) / f"rank{self.rank}.safetensors"
+        with open(f, "r+b") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(size // 2)
+            b = fh.read(16)
+            fh.seek(size // 2)
+            fh.write(bytes(x ^ 0xFF for x in b))
+        self.link.event("corrupted", f"corrupted {f}", rank=self.rank, step=steps[-1], path=str(f))
 
     def _fetch(self, step: int, holders: list[tuple[str, str, int]]) -> tuple[dict, bytes, str]:
         from agents.replica import fetch_first
@@ -508,6 +564,8 @@ class Session:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif action == "slow-rank":
             self._slow = float(c.get("seconds") or 0.5)
+        elif action == "corrupt-checkpoint":
+            self._corrupt_checkpoint()
         elif action == "kill-node" and node == self.node and self._agent_pid:
             # the agent dies; this worker and its siblings follow through PDEATHSIG
             os.kill(self._agent_pid, signal.SIGKILL)

@@ -170,6 +170,11 @@ class SnapshotEngine:
         self._pinned: set[Path] = set()
         self._beat = beat
         self.replication_timeout = replication_timeout
+        #: written into every header: the rank and world size this state belongs to, and its
+        #: timeline -- the epoch whose restore the state descends from. A step computed twice
+        #: (before and after a rollback) has two timelines; the persistent tier never mixes
+        #: them in one checkpoint. Set by the session when it joins an epoch.
+        self.lineage: dict[str, int] = {}
         # a marker left by an earlier worker of this rank on this node says nothing about us
         (self.dir / f"rank{rank}.replicated").unlink(missing_ok=True)
 
@@ -202,8 +207,11 @@ class SnapshotEngine:
         self.replication_wait_s += time.monotonic() - t0
 
     # -- capture --------------------------------------------------------------------------
-    def capture(self, step: int) -> None:
+    def capture(self, step: int, timeline: int | None = None) -> None:
         """Snapshot the providers as of the end of ``step``.
+
+        ``timeline`` overrides the lineage's for a state restored from elsewhere (a replica,
+        a peer): it keeps the timeline of the state it copies.
 
         On the training thread only the small, step-mutable state is taken (RNG, data
         position, buffers, JSON; cloned). Everything else — walking the optimizer's state,
@@ -221,8 +229,11 @@ class SnapshotEngine:
                 for key, t in p.tensors().items():
                     sync[f"{name}/{key}"] = t.detach().clone()
             meta[name] = p.meta()
+        lineage = dict(self.lineage)
+        if timeline is not None:
+            lineage["timeline"] = timeline
         self._idle.clear()
-        self._jobs.put((step, sync, meta))
+        self._jobs.put((step, sync, meta, lineage))
         self.last_capture_s = time.perf_counter() - t0
 
     def _run(self) -> None:
@@ -247,7 +258,8 @@ class SnapshotEngine:
         return self._layout_val
 
     @torch.no_grad()
-    def _write(self, step: int, sync: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    def _write(self, step: int, sync: dict[str, torch.Tensor], meta: dict[str, Any],
+               lineage: dict[str, int] | None = None) -> None:
         if _TEST_DELAY:
             time.sleep(_TEST_DELAY)
         lazy: dict[str, torch.Tensor] = {}
@@ -260,7 +272,7 @@ class SnapshotEngine:
         infos, table = self._layout(tensors)
         data_len = (infos[-1].offset + infos[-1].nbytes) if infos else 0
         head = json.dumps({"rank": self.rank, "step": step, "time": time.time(), "data_len": data_len,
-                           "meta": meta}, separators=(",", ":"))
+                           **(lineage or {}), "meta": meta}, separators=(",", ":"))
         hb = (head[:-1] + ',"tensors":' + table + "}").encode()
         point = self.is_point(step)
         if point:

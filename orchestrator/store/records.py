@@ -128,7 +128,7 @@ class Report(_Record):
     node: str
     rank: int
     epoch: int  # the epoch the worker was in when it died
-    kind: str  # "exit", "hang"
+    kind: str  # "exit", "hang", "fatal" (its rank's state cannot be restored from anywhere)
     exit_code: int | None = None
     signal: int | None = None
     time: float = 0.0

@@ -21,11 +21,11 @@ from recovery.snapshot import SnapshotEngine
 from recovery.state import provider_for
 
 
-def _engine(tmp: Path, width: int = 64):
+def _engine(tmp: Path, width: int = 64, sid: int = 0):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 8))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    eng = SnapshotEngine(tmp / "shm", 0, replicate_every=10, replication_timeout=5)
+    eng = SnapshotEngine(tmp / "shm", sid, replicate_every=10, replication_timeout=5)
     eng.providers = provider_for("model", model) + provider_for("optimizer", opt)
     return eng, model, opt
 
@@ -39,7 +39,7 @@ def _train_to(eng, model, opt, upto: int, start: int = 0) -> None:
         eng.capture(step)
         eng.wait()
         if step % 10 == 0:
-            store.confirm(0, step)  # what the agent's replicator does once buddies have it
+            store.confirm(eng.rank, step)  # what the agent's replicator does once buddies have it
 
 
 def _persister(eng, root: Path, events: list, **spec) -> Persister:
@@ -66,6 +66,37 @@ def test_persisted_checkpoint_loads_back_exactly_and_with_plain_safetensors(tmp_
     assert set(plain) == set(st.ranks[0]) and any(k.startswith("optimizer/") for k in plain)
     assert "1e-3" in json.dumps(st.meta[0]["optimizer"]) or "0.001" in json.dumps(st.meta[0]["optimizer"])
     eng.close()
+
+
+def test_a_step_computed_twice_never_makes_one_checkpoint_of_both_computations(tmp_path):
+    """Rank 0 persisted step 10, then its peer died and every rank rolled back and computed
+    step 10 again (timeline 2). The peer's new file and rank 0's old one are not one
+    checkpoint; once rank 0 persists its timeline-2 step 10, they are."""
+    root, events = tmp_path / "ckpt", []
+    e0, m0, o0 = _engine(tmp_path / "a", sid=0)
+    e1, m1, o1 = _engine(tmp_path / "b", sid=1)
+    p0 = Persister(e0.dir, {"persist_every": 10, "persist_path": str(root), "output_dir": str(tmp_path)},
+                   job="t", local_ranks=lambda: {0: 0}, world=lambda: (2, 2), requested=lambda: None,
+                   event=lambda kind, msg, **d: events.append(kind))
+    p1 = Persister(e1.dir, {"persist_every": 10, "persist_path": str(root), "output_dir": str(tmp_path)},
+                   job="t", local_ranks=lambda: {1: 1}, world=lambda: (2, 2), requested=lambda: None,
+                   event=lambda kind, msg, **d: events.append(kind))
+    e0.lineage = {"timeline": 1, "world_rank": 0, "world_size": 2}
+    _train_to(e0, m0, o0, 10)
+    p0.persist_once()
+    e1.lineage = {"timeline": 2, "world_rank": 1, "world_size": 2}  # the spare, after the rollback
+    _train_to(e1, m1, o1, 10)
+    p1.persist_once()
+    assert json.loads((root / "step00000010" / "rank0.json").read_text())["timeline"] == 1
+    assert persist.complete_steps(root) == [], "timelines 1 and 2 mixed into one checkpoint"
+    e0.lineage = {"timeline": 2, "world_rank": 0, "world_size": 2}  # rank 0 computes step 10 again
+    _train_to(e0, m0, o0, 10, start=1)
+    p0.persist_once()
+    assert persist.complete_steps(root) == [10] and events == ["persisted"]
+    m = persist.read_manifest(root, 10)
+    assert {r["timeline"] for r in m["files"].values()} == {2}
+    e0.close()
+    e1.close()
 
 
 def test_keep_prunes_old_checkpoints_and_never_the_newest(tmp_path):

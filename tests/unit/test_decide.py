@@ -460,6 +460,18 @@ def test_worker_killed_by_signal_says_which_signal():
     assert "signal 9" in str(d)
 
 
+def test_a_fatal_report_fails_the_job_with_its_reason_even_with_spares_left():
+    snap = snapshot_running(ranks=3, spares=2)
+    lose(snap, "node1")
+    report(snap, 2, kind="fatal", exit_code=4,
+           message="worker pid 7 cannot go on: no usable persisted checkpoint in /ckpt")
+    d = decide(snap)
+    assert d.action == "fail" and d.final_state == JobState.FAILED and not d.changes_world, str(d)
+    assert "rank 2 on node2: worker pid 7 cannot go on: no usable persisted checkpoint in /ckpt" in str(d)
+    assert "rank 1" not in str(d)  # the node loss is not the reason
+    assert {lo.rank for lo in d.losses} == {1, 2} and ("node2", 2) in d.clear_reports
+
+
 def test_report_message_is_the_loss_detail():
     snap = snapshot_running()
     report(snap, 2, message="CUDA error: an illegal memory access")
