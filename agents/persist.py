@@ -76,7 +76,9 @@ class Persister:
 
     def persist_once(self) -> None:
         for sid, rank in sorted(self.local_ranks().items()):
-            views = [v for k in range(2) if (v := persist.open_slot(self.run_dir / f"rank{sid}.point{k}"))]
+            # a point still being copied counts: the writer streams it as the copy goes on
+            views = [v for k in range(2)
+                     if (v := persist.open_slot(self.run_dir / f"rank{sid}.point{k}", writing=True))]
             try:
                 for view in sorted(views, key=lambda v: -int(v.header["step"])):
                     step = int(view.header["step"])

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import secrets
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -923,6 +924,9 @@ Every injection is an event (`hotspare events JOB`).""")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from recovery.persist import CheckpointError
+
+    from .launchers import LaunchError
     from .store import StoreError
 
     args = build_parser().parse_args(argv)
@@ -940,6 +944,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except StoreError as e:
         print(f"hotspare {args.cmd}: error: etcd: {e}", file=sys.stderr)
+        return 2
+    except LaunchError as e:  # a scheduler tool missing or refusing (cancel, status, ...)
+        print(f"hotspare {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:  # names the file
+        print(f"hotspare {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except subprocess.TimeoutExpired as e:
+        cmd = " ".join(map(str, e.cmd)) if isinstance(e.cmd, (list, tuple)) else str(e.cmd)
+        print(f"hotspare {args.cmd}: error: `{cmd}` did not answer within {e.timeout:.0f}s; "
+              "is the scheduler reachable from here?", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file we were asked to write or read (output_dir, a spec, ...)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"hotspare {args.cmd}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

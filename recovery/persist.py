@@ -11,9 +11,11 @@ the snapshot's ``component/key`` names and each file's metadata holds the compon
 state under ``hotspare.meta`` -- the same convention as ``final/``, so
 ``safetensors.torch.load_file`` reads them and :func:`load_checkpoint` restores them.
 
-The writer (:func:`write_rank`) runs in the node agent: it streams a COMPLETE snapshot slot
-from ``/dev/shm`` with gathered ``writev`` calls (many small tensors, few large writes),
-computing a CRC32 on the way, into a local directory first (``persist_local_dir``, fast
+The writer (:func:`write_rank`) runs in the node agent: it streams a snapshot slot from
+``/dev/shm`` -- starting while the training process is still copying it there, following
+the slot's ``copied`` mark -- with gathered ``writev`` calls (many small tensors, few large
+writes), computing a CRC32 on the way; the file counts only if the slot then turned
+COMPLETE with the same sequence number, into a local directory first (``persist_local_dir``, fast
 local SSD) and then to the shared path. Torch-free: the agent never imports torch.
 """
 
@@ -40,6 +42,7 @@ ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "
 _STEP_DIR = re.compile(r"^step(\d{8})$")
 _IOV_MAX = 512
 _COPY_CHUNK = 64 << 20
+STALL_S = 60.0  # a slot being filled that makes no progress this long is given up on
 
 
 class CheckpointError(Exception):
@@ -146,6 +149,52 @@ def _write_all(fd: int, bufs: list) -> None:
                 n = 0
 
 
+def _overwritten(view: SlotView, step: int) -> InterruptedError:
+    return InterruptedError(f"snapshot slot {view.path} was overwritten while persisting step {step}")
+
+
+def _stream(fd: int, view: SlotView, head: bytes, spans: list[tuple[int, int]], step: int) -> int:
+    """Write the header, then each tensor's bytes as soon as the snapshot writer has copied
+    them into the slot (its ``copied`` mark), gathered into few large ``writev`` calls.
+    Returns the CRC32 of everything written."""
+    data = memoryview(view.mm)[view.data_off:]
+    crc, bufs, i = zlib.crc32(head), [head], 0
+    idle_since, pause = time.monotonic(), 0.0005
+    try:
+        while True:
+            copied = view.copied()
+            if copied < 0:
+                raise _overwritten(view, step)
+            while i < len(spans) and spans[i][0] + spans[i][1] <= copied:
+                off, n = spans[i]
+                piece = data[off: off + n]
+                crc = zlib.crc32(piece, crc)
+                bufs.append(piece)
+                i += 1
+            if bufs:
+                _write_all(fd, bufs)
+                idle_since, pause = time.monotonic(), 0.0005
+            if i == len(spans):
+                return crc
+            if time.monotonic() - idle_since > STALL_S or view.replaced():
+                raise InterruptedError(f"snapshot slot {view.path} stopped filling while persisting step {step}")
+            time.sleep(pause)  # the writer is still copying: follow it
+            pause = min(2 * pause, 0.01)
+    finally:
+        bufs.clear()
+        piece = None  # noqa: F841 - release the mmap exports before the view is closed
+        data.release()
+
+
+def _await_complete(view: SlotView, step: int) -> None:
+    """Everything streamed must also have been the finished snapshot: COMPLETE, same seq."""
+    deadline = time.monotonic() + STALL_S
+    while not view.valid():
+        if view.copied() < 0 or time.monotonic() > deadline or view.replaced():
+            raise _overwritten(view, step)
+        time.sleep(0.001)
+
+
 def _atomic_json(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -200,20 +249,11 @@ def write_rank(view: SlotView, root: str | Path, *, rank: int, job: str, timelin
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            data = memoryview(view.mm)[view.data_off:]
-            bufs = [head]
-            crc = zlib.crc32(head)
-            for off, n in spans:
-                piece = data[off: off + n]
-                crc = zlib.crc32(piece, crc)
-                bufs.append(piece)
-            _write_all(fd, bufs)
+            crc = _stream(fd, view, head, spans, step)
             os.fsync(fd)
         finally:
             os.close(fd)
-            data = bufs = piece = None  # noqa: F841 - release the mmap exports
-        if not view.valid():
-            raise InterruptedError(f"snapshot slot {view.path} was overwritten while persisting step {step}")
+        _await_complete(view, step)
         os.replace(tmp, d / name)
     except BaseException:
         tmp.unlink(missing_ok=True)

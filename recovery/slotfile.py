@@ -1,8 +1,14 @@
 """The snapshot slot file format, readable without torch (agents serve these files).
 
-    [0, 64)        control block: magic, state, step, seq, header_len, data_off, data_len
+    [0, 64)        control block: magic, state, step, seq, header_len, data_off, data_len, copied
     [64, data_off) JSON header: tensor table (name, dtype, shape, offset, nbytes) + meta
     [data_off, )   raw tensor bytes, 64-byte aligned
+
+``copied`` is how far the writer has filled the data area, from its start, while the slot is
+WRITING: -1 until the header is written, then the end of the last tensor copied (tensors are
+laid out and copied in offset order). A streaming reader (the persister) writes those bytes
+out while the rest is still being copied; it must still see the slot COMPLETE, with the same
+``seq``, at the end.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAGIC = b"HSSNAP01"
-_CTRL = "<8sqqqqqq"  # magic, state, step, seq, header_len, data_off, data_len
+_CTRL = "<8sqqqqqqq"  # magic, state, step, seq, header_len, data_off, data_len, copied
 CTRL_SIZE = 64
+_COPIED_OFF = 56  # where ``copied`` sits in the control block
 EMPTY, WRITING, COMPLETE = 0, 1, 2
 
 
@@ -30,31 +37,49 @@ class SlotView:
     data_off: int
     data_len: int
     seq: int
+    ino: int = 0
 
     def valid(self) -> bool:
         _, state, _, seq, *_ = struct.unpack_from(_CTRL, self.mm, 0)
         return state == COMPLETE and seq == self.seq
 
+    def copied(self) -> int:
+        """Bytes of the data area filled so far; -1 once the slot is reused (or torn).
+        All of it once COMPLETE."""
+        _, state, _, seq, _, _, dlen, copied = struct.unpack_from(_CTRL, self.mm, 0)
+        if seq != self.seq or state not in (WRITING, COMPLETE):
+            return -1
+        return dlen if state == COMPLETE else copied
+
+    def replaced(self) -> bool:
+        """The writer swapped a new file in under this path (a bigger layout)."""
+        try:
+            return os.stat(self.path).st_ino != self.ino
+        except OSError:
+            return True
+
     def close(self) -> None:
         self.mm.close()
 
 
-def open_slot(path: Path) -> SlotView | None:
+def open_slot(path: Path, writing: bool = False) -> SlotView | None:
     """Map a COMPLETE slot file (None if absent, not complete, or torn): zero-copy readers
-    use it and check ``valid()`` after reading."""
+    use it and check ``valid()`` after reading. ``writing``: also a slot still being
+    filled once its header is written (streaming readers follow ``copied()``)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
-        size = os.fstat(fd).st_size
-        if size < CTRL_SIZE:
+        st = os.fstat(fd)
+        if st.st_size < CTRL_SIZE:
             return None
-        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
-    magic, state, _step, seq, hlen, doff, dlen = struct.unpack_from(_CTRL, mm, 0)
-    if magic != MAGIC or state != COMPLETE or doff + dlen > size:
+    magic, state, _step, seq, hlen, doff, dlen, copied = struct.unpack_from(_CTRL, mm, 0)
+    ok = state == COMPLETE or (writing and state == WRITING and copied >= 0)
+    if magic != MAGIC or not ok or doff + dlen > st.st_size:
         mm.close()
         return None
     try:
@@ -62,8 +87,8 @@ def open_slot(path: Path) -> SlotView | None:
     except ValueError:
         mm.close()
         return None
-    v = SlotView(path, mm, header, doff, dlen, seq)
-    if not v.valid():
+    v = SlotView(path, mm, header, doff, dlen, seq, st.st_ino)
+    if v.copied() < 0 or not (writing or v.valid()):  # reused while we read the header
         v.close()
         return None
     return v

@@ -35,13 +35,15 @@ from typing import Any
 
 import torch
 
-from .slotfile import _CTRL, COMPLETE, CTRL_SIZE, EMPTY, MAGIC, WRITING, read_slot
+from .slotfile import _COPIED_OFF, _CTRL, COMPLETE, CTRL_SIZE, EMPTY, MAGIC, WRITING, read_slot
 
 log = logging.getLogger(__name__)
 
 # Fault-injection knob for tests: hold every background copy open this many seconds, so
 # that a failure reliably lands while a snapshot is in flight. Never set in production.
 _TEST_DELAY = float(os.environ.get("HOTSPARE_TEST_SNAPSHOT_DELAY", "0") or 0)
+#: how often (bytes of the data area) the writer publishes its progress to streaming readers
+STREAM_CHUNK = 8 << 20
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -101,12 +103,16 @@ class Slot:
             self.set_ctrl(EMPTY, -2, 0, 0)
 
     def ctrl(self) -> tuple[int, int, int, int, int, int]:
-        magic, state, step, seq, hlen, doff, dlen = struct.unpack_from(_CTRL, self.mm, 0)
+        magic, state, step, seq, hlen, doff, dlen, _copied = struct.unpack_from(_CTRL, self.mm, 0)
         return state, step, seq, hlen, doff, dlen
 
-    def set_ctrl(self, state: int, step: int, seq: int, hlen: int) -> None:
+    def set_ctrl(self, state: int, step: int, seq: int, hlen: int, copied: int = -1) -> None:
         struct.pack_into(_CTRL, self.mm, 0, MAGIC, state, step, seq, hlen, self.data_off,
-                         self.size - self.data_off)
+                         self.size - self.data_off, copied)
+
+    def set_copied(self, n: int) -> None:
+        """Publish that the data area is filled up to ``n`` (streaming readers follow it)."""
+        struct.pack_into("<q", self.mm, _COPIED_OFF, n)
 
     def view(self, info: TensorInfo) -> torch.Tensor:
         raw = self.data[info.offset : info.offset + info.nbytes]
@@ -290,26 +296,33 @@ class SnapshotEngine:
         self._steps[k] = -2
         slot.set_ctrl(WRITING, step, seq, len(hb))
         slot.mm[CTRL_SIZE : CTRL_SIZE + len(hb)] = hb
+        slot.set_copied(0)  # header in place: a streaming reader may start
         views = self._views.get(k)
         if views is None:
             views = self._views[k] = [slot.view(info) for info in infos]
         pairs = list(zip(views, tensors.values(), strict=True))
-        done_on_gpu = self._launch_device_copies(slot, pairs)
-        for dst, src in pairs:
-            if not src.is_cuda:
+        on_gpu = self._launch_device_copies(slot, pairs)
+        published = 0
+        for i, ((dst, src), info) in enumerate(zip(pairs, infos, strict=True)):
+            if src.is_cuda:
+                on_gpu[i].synchronize()  # device -> pinned host copy on the side stream
+            else:
                 dst.copy_(src)
-        if done_on_gpu is not None:
-            done_on_gpu.synchronize()  # device -> pinned host copies on the side stream
-        slot.set_ctrl(COMPLETE, step, seq, len(hb))
+            end = info.offset + info.nbytes
+            if end - published >= STREAM_CHUNK or i == len(pairs) - 1:
+                slot.set_copied(end)
+                published = end
+        slot.set_ctrl(COMPLETE, step, seq, len(hb), data_len)
         self._steps[k] = step
 
-    def _launch_device_copies(self, slot: Slot, jobs: list) -> Any:
+    def _launch_device_copies(self, slot: Slot, jobs: list) -> dict[int, Any]:
         """GPU tensors: copy into the (pinned) slot on a side stream, ordered after the work
-        already queued on the current stream. Returns an event to wait on, or None.
-        Written for the NCCL path; not yet run on a GPU."""
-        cuda = [(d, s) for d, s in jobs if s.is_cuda]
+        already queued on the current stream. Returns {index in jobs: event recorded after
+        that tensor's copy}, so the slot's ``copied`` mark (and a streaming reader) can
+        follow the copies one by one. Written for the NCCL path; not yet run on a GPU."""
+        cuda = [i for i, (_, s) in enumerate(jobs) if s.is_cuda]
         if not cuda:
-            return None
+            return {}
         if slot.path not in self._pinned:
             base = slot.data.data_ptr()
             torch.cuda.cudart().cudaHostRegister(base, slot.data.numel(), 0)
@@ -317,12 +330,14 @@ class SnapshotEngine:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         self._stream.wait_stream(torch.cuda.default_stream())
+        events = {}
         with torch.cuda.stream(self._stream):
-            for dst, src in cuda:
+            for i in cuda:
+                dst, src = jobs[i]
                 dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self._stream)
-        return ev
+                events[i] = torch.cuda.Event()
+                events[i].record(self._stream)
+        return events
 
     def wait(self) -> None:
         """Block until the snapshot in flight (if any) is complete."""

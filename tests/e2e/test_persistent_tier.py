@@ -39,12 +39,12 @@ def test_a_corrupt_newest_checkpoint_is_refused_and_every_rank_falls_back_to_an_
     file, and the others must not go on with theirs (they agree on an ok flag first); every
     rank restores the next older checkpoint and the result is still bit-identical."""
     cluster.controller()
-    # steps >= 0.2 s (timing only): the checkpoint of step 30 is complete by step 38
+    # steps >= 0.1 s (timing only): the checkpoint of step 20 is complete by step 28
     s = run_ok(cluster, "corrupt", spares=2, persist_every=10, persist_keep=4,
-               env={"HOTSPARE_TEST_SNAPSHOT_DELAY": "0.2"},
-               chaos=[{"at_step": 38, "action": "corrupt-checkpoint", "rank": 0},
-                      {"at_step": 39, "action": "kill-node", "rank": 1},
-                      {"at_step": 39, "action": "kill-node", "rank": 2}])
+               env={"HOTSPARE_TEST_SNAPSHOT_DELAY": "0.1"},
+               chaos=[{"at_step": 28, "action": "corrupt-checkpoint", "rank": 0},
+                      {"at_step": 29, "action": "kill-node", "rank": 1},
+                      {"at_step": 29, "action": "kill-node", "rank": 2}])
     assert s["recoveries"], s
     events = cluster.job("corrupt").events()
     [bad] = [e for e in events if e.kind == "corrupted"]
@@ -65,11 +65,11 @@ def test_with_no_usable_copy_of_a_lost_rank_left_the_job_fails_saying_why(cluste
     spare can help, so the job fails at once with the reason instead of trying spare after
     spare."""
     cluster.controller()
-    spec = gpt_spec(cluster, "hopeless", spares=3, persist_every=20, persist_keep=1,
-                    env={"HOTSPARE_TEST_SNAPSHOT_DELAY": "0.2"},
-                    chaos=[{"at_step": 28, "action": "corrupt-checkpoint", "rank": 2},
-                           {"at_step": 29, "action": "kill-node", "rank": 1},
-                           {"at_step": 29, "action": "kill-node", "rank": 2}])
+    spec = gpt_spec(cluster, "hopeless", spares=3, persist_every=10, persist_keep=1,
+                    env={"HOTSPARE_TEST_SNAPSHOT_DELAY": "0.1"},
+                    chaos=[{"at_step": 18, "action": "corrupt-checkpoint", "rank": 2},
+                           {"at_step": 19, "action": "kill-node", "rank": 1},
+                           {"at_step": 19, "action": "kill-node", "rank": 2}])
     summary, r = cluster.run_json(str(spec))
     assert summary["state"] == "failed", r.stdout + r.stderr[-3000:]
     snap = cluster.job("hopeless").snapshot()

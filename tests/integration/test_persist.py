@@ -249,3 +249,82 @@ def test_any_damage_to_a_checkpoint_is_refused_naming_the_file(tmp_path):
                 assert torch.equal(st_.ranks[0][f"model.params/{name}"], t)
 
     check()
+
+
+def _filling_slot(tmp_path: Path, tensors: dict):
+    """A slot as the engine leaves it mid-copy: header written, state WRITING, nothing copied."""
+    from recovery.slotfile import CTRL_SIZE, WRITING
+    from recovery.snapshot import Slot, plan
+
+    infos = plan(tensors)
+    hb = json.dumps({"rank": 0, "step": 10, "timeline": 1, "world_rank": 0, "world_size": 1, "meta": {},
+                     "data_len": infos[-1].offset + infos[-1].nbytes,
+                     "tensors": [i.__dict__ for i in infos]}).encode()
+    slot = Slot(tmp_path / "rank0.point0", 4096, infos[-1].offset + infos[-1].nbytes)
+    slot.set_ctrl(WRITING, 10, 7, len(hb))
+    slot.mm[CTRL_SIZE: CTRL_SIZE + len(hb)] = hb
+    slot.set_copied(0)
+    return slot, infos
+
+
+def test_persisting_streams_a_snapshot_while_it_is_still_being_copied(tmp_path):
+    """The writer follows the slot's copied mark: the header and the first tensor are on disk
+    before the second is even in the slot; the file counts once the slot is COMPLETE."""
+    import threading
+    import time
+
+    from recovery.slotfile import COMPLETE
+
+    tensors = {"m/a": torch.arange(300_000, dtype=torch.float32), "m/b": torch.ones(200_000)}
+    slot, infos = _filling_slot(tmp_path, tensors)
+    root, out = tmp_path / "ckpt", {}
+    view = persist.open_slot(slot.path, writing=True)
+    assert view is not None and persist.open_slot(slot.path) is None  # not COMPLETE yet
+    t = threading.Thread(target=lambda: out.setdefault("rec", persist.write_rank(
+        view, root, rank=0, job="t", timeline=1, world_size=1)))
+    t.start()
+    slot.view(infos[0]).copy_(tensors["m/a"])
+    slot.set_copied(infos[0].offset + infos[0].nbytes)
+    tmp = root / "step00000010"
+    deadline = time.monotonic() + 30
+    while not any(f.stat().st_size > infos[0].nbytes for f in tmp.glob(".rank0*.tmp")):
+        assert time.monotonic() < deadline and t.is_alive(), "nothing streamed before the copy finished"
+        time.sleep(0.01)
+    assert "rec" not in out  # still waiting for tensor b
+    slot.view(infos[1]).copy_(tensors["m/b"])
+    slot.set_copied(infos[1].offset + infos[1].nbytes)
+    slot.set_ctrl(COMPLETE, 10, 7, slot.ctrl()[3], infos[1].offset + infos[1].nbytes)
+    t.join(30)
+    assert out["rec"]["timeline"] == 1
+    assert persist.try_finish(root, 10, 1, "t")
+    got = load_file(str(tmp / "rank0.safetensors"))
+    assert torch.equal(got["m/a"], tensors["m/a"]) and torch.equal(got["m/b"], tensors["m/b"])
+    view.close()
+    slot.close()
+
+
+def test_a_slot_reused_mid_stream_leaves_no_file(tmp_path):
+    import threading
+
+    from recovery.slotfile import WRITING
+
+    tensors = {"m/a": torch.arange(1000, dtype=torch.float32), "m/b": torch.ones(1000)}
+    slot, infos = _filling_slot(tmp_path, tensors)
+    view = persist.open_slot(slot.path, writing=True)
+    err = {}
+
+    def run():
+        try:
+            persist.write_rank(view, tmp_path / "ckpt", rank=0, job="t", timeline=1, world_size=1)
+        except InterruptedError as e:
+            err["e"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    slot.set_copied(infos[0].offset + infos[0].nbytes)
+    slot.set_ctrl(WRITING, 20, 8, slot.ctrl()[3])  # the engine took the slot for a newer point
+    t.join(30)
+    assert "overwritten while persisting step 10" in str(err.get("e")), err
+    assert not list((tmp_path / "ckpt").rglob("*.safetensors*")) and not list((tmp_path / "ckpt").rglob(".*tmp"))
+    view.close()
+    slot.close()

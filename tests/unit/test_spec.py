@@ -119,7 +119,7 @@ def full_data() -> dict[str, Any]:
             {"at_step": 40, "action": "partition-node", "rank": 3, "seconds": 15},
             {"at_step": 50, "action": "kill-controller"},
             {"at_step": 499, "action": "restart-etcd"},
-            {"at_step": 500, "action": "corrupt-checkpoint", "rank": 0},
+            {"at_step": 60, "action": "corrupt-checkpoint", "rank": 0},
         ],
     }
 
