@@ -315,7 +315,10 @@ class Agent:
             warm = STATE_NAMES.get(w.hb.read()[0], "?")
             try:
                 assert w.proc.stdin is not None
-                w.proc.stdin.write(json.dumps({"rank": rank, "epoch": snap.epoch, "sid": sid}).encode() + b"\n")
+                # the incarnation travels with the assignment: a warm worker spawned before a
+                # re-registration (lease lost, partition healed) must carry the new one
+                w.proc.stdin.write(json.dumps({"rank": rank, "epoch": snap.epoch, "sid": sid,
+                                               "incarnation": self.incarnation}).encode() + b"\n")
                 w.proc.stdin.flush()
             except OSError:
                 continue  # it just died; supervision will notice

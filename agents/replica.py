@@ -20,10 +20,10 @@ import re
 import socketserver
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
-from recovery.slotfile import COMPLETE, read_slot, slot_steps
+from recovery.slotfile import COMPLETE, read_slot, slot_ctrl, slot_steps, write_confirmation
 from recovery.wire import Channel, WireError, checksums, validate_snapshot
 
 log = logging.getLogger("hotspare.replica")
@@ -54,23 +54,25 @@ class ReplicaStore:
                 out.setdefault(int(m.group(2)), "replica")
         return out
 
-    def newest_point(self, rank: int) -> int | None:
-        """Newest complete replication point of a local rank: reads two 64-byte control
-        blocks, no directory listing (this runs 20 times a second)."""
-        best = None
-        for k in range(2):
-            st = slot_steps(self.dir / f"rank{rank}.point{k}")
-            if st and st[0] == COMPLETE and (best is None or st[1] > best):
-                best = st[1]
-        return best
+    def points(self, rank: int) -> list[tuple[int, int]]:
+        """(step, seq) of each complete replication point of a local rank: reads two 64-byte
+        control blocks, no directory listing (this runs 20 times a second)."""
+        return [(c[1], c[2]) for k in range(2)
+                if (c := slot_ctrl(self.dir / f"rank{rank}.point{k}")) and c[0] == COMPLETE]
 
-    def load(self, rank: int, step: int) -> tuple[dict, bytes] | None:
-        """Header (with checksums) and body of rank's snapshot at step, or None."""
+    def newest_point(self, rank: int, ignore: Collection[int] = ()) -> tuple[int, int] | None:
+        """The newest of ``points(rank)`` whose seq is not in ``ignore``."""
+        mine = [p for p in self.points(rank) if p[1] not in ignore]
+        return max(mine) if mine else None
+
+    def load(self, rank: int, step: int, seq: int | None = None) -> tuple[dict, bytes] | None:
+        """Header (with checksums) and body of rank's snapshot at step (and of that write,
+        if ``seq`` is given), or None."""
         for p in sorted(self.dir.glob(f"rank{rank}.*")):
             if not _SLOT.match(p.name):
                 continue
             got = read_slot(p)
-            if got and got[0]["step"] == step:
+            if got and got[0]["step"] == step and seq in (None, got[2]):
                 header, data, _ = got
                 header = dict(header, crc=checksums(header["tensors"], data))
                 return header, bytes(data)
@@ -82,11 +84,12 @@ class ReplicaStore:
         hlen = int.from_bytes(raw[:8], "little")
         return json.loads(raw[8 : 8 + hlen]), raw[8 + hlen :]
 
-    def confirm(self, rank: int, step: int) -> None:
-        """Tell rank's worker that its point ``step`` is safely replicated."""
-        tmp = self.dir / f".tmp-replicated-{rank}"
-        tmp.write_text(str(step))
-        os.replace(tmp, self.dir / f"rank{rank}.replicated")
+    def confirm(self, rank: int, step: int, seq: int | None = None) -> None:
+        """Tell rank's worker that its point ``step`` (the write ``seq``; default: the one
+        in its point slots now) is safely replicated."""
+        if seq is None:
+            seq = next((q for s, q in self.points(rank) if s == step), 0)
+        write_confirmation(self.dir / f"rank{rank}.replicated", step, seq)
 
     def save(self, header: dict, body: bytes) -> None:
         rank, step = int(header["rank"]), int(header["step"])
@@ -199,8 +202,12 @@ class Replicator:
         self.buddies = buddies
         self.local_ranks = local_ranks
         self.interval = interval
-        self.sent: dict[tuple[int, str], int] = {}  # (rank, buddy) -> newest step sent
-        self.confirmed: dict[int, int] = {}  # rank -> newest point confirmed to its worker
+        # a point is one write, (step, seq): a new worker of a rank writes the same step again
+        self.sent: dict[tuple[int, str], tuple[int, int]] = {}  # (rank, buddy) -> newest point sent
+        self.confirmed: dict[int, tuple[int, int]] = {}  # rank -> newest point confirmed to its worker
+        # rank -> seqs of points an earlier worker of the rank left here: still served to
+        # peers (they are valid state), never confirmed to the new worker as its own
+        self.stale: dict[int, set[int]] = {}
         self._channels: dict[str, Channel] = {}
         self._stop = threading.Event()
         self.paused = False
@@ -213,7 +220,8 @@ class Replicator:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(2)
+        if self._thread.is_alive():
+            self._thread.join(2)
         for ch in self._channels.values():
             ch.close()
 
@@ -222,6 +230,7 @@ class Replicator:
         self.confirmed.pop(rank, None)
         for key in [k for k in self.sent if k[0] == rank]:
             del self.sent[key]
+        self.stale[rank] = {seq for _, seq in self.store.points(rank)}
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -235,24 +244,26 @@ class Replicator:
             return
         buddies = self.buddies()
         for rank in self.local_ranks():
-            newest = self.store.newest_point(rank)
+            newest = self.store.newest_point(rank, ignore=self.stale.get(rank, ()))
             if newest is None:
                 continue
             if not buddies:  # nobody to replicate to (one node): do not hold training back
-                self.store.confirm(rank, newest)
+                if self.confirmed.get(rank) != newest:
+                    self.store.confirm(rank, *newest)
+                    self.confirmed[rank] = newest
                 continue
-            todo = [b for b in buddies if self.sent.get((rank, b[0]), -3) < newest]
+            todo = [b for b in buddies if self.sent.get((rank, b[0])) != newest]
             if todo:
-                got = self.store.load(rank, newest)
+                got = self.store.load(rank, *newest)
                 if got is None:
                     continue  # overwritten while reading; next round
                 header, body = got
                 for name, host, port in todo:
                     if self._send(name, host, port, rank, header, body):
                         self.sent[(rank, name)] = newest
-            if all(self.sent.get((rank, b[0]), -3) >= newest for b in buddies):
+            if all(self.sent.get((rank, b[0])) == newest for b in buddies):
                 if self.confirmed.get(rank) != newest:
-                    self.store.confirm(rank, newest)
+                    self.store.confirm(rank, *newest)
                     self.confirmed[rank] = newest
 
     def _send(self, name: str, host: str, port: int, rank: int, header: dict, body: bytes) -> bool:

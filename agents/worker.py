@@ -2,7 +2,8 @@
 
 Started by its agent before any rank is known. It connects to etcd, imports torch and
 the job's entrypoint, marks itself warm, and blocks on one JSON line on stdin — the
-assignment ``{"rank": r, "epoch": e, "sid": s}``. That warm start is what makes a swap fast: the
+assignment ``{"rank": r, "epoch": e, "sid": s, "incarnation": i}`` (the agent's registration at the
+time of the assignment, which may be newer than the worker). That warm start is what makes a swap fast: the
 spare's interpreter, torch and the user's module are already loaded.
 
 Exit codes: 0 finished, 1 the training function raised, 3 fenced (rank taken away).
@@ -130,7 +131,7 @@ def main() -> int:
         sid=assign.get("sid"),
         epoch=epoch,
         node=node,
-        incarnation=env["HOTSPARE_INCARNATION"],
+        incarnation=assign.get("incarnation") or env["HOTSPARE_INCARNATION"],
         beat=lambda step: hb.beat(step),
         agent_pid=int(env.get("HOTSPARE_AGENT_PID", "0")),
         delay=hb.delay,

@@ -426,7 +426,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_events(args: argparse.Namespace) -> int:
     from . import timeline
-
     from .launchers import left_behind
     from .store.records import Event
 

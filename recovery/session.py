@@ -563,7 +563,7 @@ class Session:
         elif action == "hang-rank":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif action == "slow-rank":
-            self._slow = float(c.get("seconds") or 0.5)
+            self._slow = 0.5 if c.get("seconds") is None else max(0.0, float(c["seconds"]))  # 0 clears it
         elif action == "corrupt-checkpoint":
             self._corrupt_checkpoint()
         elif action == "kill-node" and node == self.node and self._agent_pid:

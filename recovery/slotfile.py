@@ -109,8 +109,8 @@ def read_slot(path: Path) -> tuple[dict, bytes | memoryview, int] | None:
         v.close()
 
 
-def slot_steps(path: Path) -> tuple[int, int] | None:
-    """(state, step) of a slot file without mapping the data."""
+def slot_ctrl(path: Path) -> tuple[int, int, int] | None:
+    """(state, step, seq) of a slot file without mapping the data."""
     try:
         with open(path, "rb") as f:
             raw = f.read(struct.calcsize(_CTRL))
@@ -118,5 +118,30 @@ def slot_steps(path: Path) -> tuple[int, int] | None:
         return None
     if len(raw) < struct.calcsize(_CTRL):
         return None
-    magic, state, step, *_ = struct.unpack(_CTRL, raw)
-    return (state, step) if magic == MAGIC else None
+    magic, state, step, seq, *_ = struct.unpack(_CTRL, raw)
+    return (state, step, seq) if magic == MAGIC else None
+
+
+def slot_steps(path: Path) -> tuple[int, int] | None:
+    """(state, step) of a slot file without mapping the data."""
+    c = slot_ctrl(path)
+    return None if c is None else (c[0], c[1])
+
+
+# -- replication confirmations -------------------------------------------------------------
+# ``rank<r>.replicated`` holds "<step> <seq>": the agent confirms one *write* of a point (a
+# new worker of the same rank writes the same step again, with another seq), never a step.
+
+def write_confirmation(path: Path, step: int, seq: int) -> None:
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    tmp.write_text(f"{step} {seq}")
+    os.replace(tmp, path)
+
+
+def read_confirmation(path: Path) -> tuple[int, int]:
+    """(step, seq) confirmed; (-2, 0) if none (or unreadable)."""
+    try:
+        step, seq = path.read_text().split()
+        return int(step), int(seq)
+    except (FileNotFoundError, ValueError):
+        return -2, 0

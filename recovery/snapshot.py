@@ -35,7 +35,17 @@ from typing import Any
 
 import torch
 
-from .slotfile import _COPIED_OFF, _CTRL, COMPLETE, CTRL_SIZE, EMPTY, MAGIC, WRITING, read_slot
+from .slotfile import (
+    _COPIED_OFF,
+    _CTRL,
+    COMPLETE,
+    CTRL_SIZE,
+    EMPTY,
+    MAGIC,
+    WRITING,
+    read_confirmation,
+    read_slot,
+)
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +167,11 @@ class SnapshotEngine:
         n = self.nring + (2 if self.every else 0)
         self._slots: list[Slot | None] = [None] * n
         self._steps = [-2] * n  # complete step per slot (-2: none)
-        self._seq = 0
+        self._seqs = [0] * n  # the write (seq) each slot's step came from
+        # every write's seq is unique on this node, across engines too (a new worker of the
+        # same rank writes the same step again): the agent confirms a point by (step, seq),
+        # so a confirmation of the previous worker's copy never passes for ours
+        self._seq = time.time_ns()
         self._error: BaseException | None = None
         self._jobs: queue.Queue = queue.Queue()
         self._idle = threading.Event()
@@ -171,7 +185,7 @@ class SnapshotEngine:
         self.last_capture_s = 0.0
         self.last_wait_s = 0.0
         self.replication_wait_s = 0.0
-        self._last_point: int | None = None
+        self._last_point: tuple[int, int] | None = None  # (step, seq) of the newest point
         self._stream: Any = None
         self._pinned: set[Path] = set()
         self._beat = beat
@@ -192,22 +206,28 @@ class SnapshotEngine:
     def is_point(self, step: int) -> bool:
         return bool(self.every) and (step == -1 or step % self.every == 0)
 
+    def confirmed(self) -> tuple[int, int]:
+        """(step, seq) of the newest point the agent confirmed replicated to every buddy
+        ((-2, 0): none)."""
+        return read_confirmation(self.dir / f"rank{self.rank}.replicated")
+
     def replicated(self) -> int:
-        """Newest point the agent confirmed replicated to every buddy (-2: none)."""
-        try:
-            return int((self.dir / f"rank{self.rank}.replicated").read_text() or -2)
-        except (FileNotFoundError, ValueError):
-            return -2
+        """Step of the newest point the agent confirmed replicated (-2: none)."""
+        return self.confirmed()[0]
+
+    def _is_replicated(self, point: tuple[int, int]) -> bool:
+        step, seq = self.confirmed()
+        return (step, seq) == point or step > point[0]
 
     def _await_replication(self) -> None:
         prev = self._last_point
-        if prev is None or self.replicated() >= prev:
+        if prev is None or self._is_replicated(prev):
             return
         t0 = time.monotonic()
-        while self.replicated() < prev:
+        while not self._is_replicated(prev):
             if time.monotonic() - t0 > self.replication_timeout:  # noqa: SIM102
                 log.warning("point %d of rank %d not replicated after %.0fs; going on unprotected",
-                            prev, self.rank, self.replication_timeout)
+                            prev[0], self.rank, self.replication_timeout)
                 break
             time.sleep(0.005)
         self.replication_wait_s += time.monotonic() - t0
@@ -283,7 +303,6 @@ class SnapshotEngine:
         point = self.is_point(step)
         if point:
             self._await_replication()
-            self._last_point = step
         k = self._pick_slot(point)
         slot = self._slots[k]
         if slot is None or slot.header_cap < len(hb) or slot.size - slot.data_off < data_len:
@@ -294,6 +313,8 @@ class SnapshotEngine:
         self._seq += 1
         seq = self._seq
         self._steps[k] = -2
+        if point:
+            self._last_point = (step, seq)
         slot.set_ctrl(WRITING, step, seq, len(hb))
         slot.mm[CTRL_SIZE : CTRL_SIZE + len(hb)] = hb
         slot.set_copied(0)  # header in place: a streaming reader may start
@@ -313,7 +334,7 @@ class SnapshotEngine:
                 slot.set_copied(end)
                 published = end
         slot.set_ctrl(COMPLETE, step, seq, len(hb), data_len)
-        self._steps[k] = step
+        self._steps[k], self._seqs[k] = step, seq
 
     def _launch_device_copies(self, slot: Slot, jobs: list) -> dict[int, Any]:
         """GPU tensors: copy into the (pinned) slot on a side stream, ordered after the work
@@ -366,7 +387,7 @@ class SnapshotEngine:
             if s > step and self._slots[k] is not None:
                 self._slots[k].set_ctrl(EMPTY, -2, 0, 0)
                 self._steps[k] = -2
-        points = [s for k, s in enumerate(self._steps) if k >= self.nring and s >= -1]
+        points = [(s, self._seqs[k]) for k, s in enumerate(self._steps) if k >= self.nring and s >= -1]
         self._last_point = max(points) if points else None
 
     def load_local(self, step: int, skip: set[str] = frozenset()) -> None:

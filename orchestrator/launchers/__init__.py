@@ -24,7 +24,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-
 #: What a job that brought its own etcd leaves in its output_dir as it ends (`hotspare status
 #: --json` and `hotspare events --json`), so that status, events and wait still answer once
 #: the allocation and its etcd are gone.

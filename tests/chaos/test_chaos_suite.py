@@ -106,6 +106,12 @@ def test_seeded_random_failures_leave_no_trace_in_the_result(cluster, reference)
     doubled = {k: v for k, v in seats.items() if len(v) > 1}
     assert not doubled, f"two workers held one rank in one epoch: {doubled}"
 
+    # no worker was ever held at its replication gate until the timeout (a new worker of a
+    # rank once waited for a confirmation its dead predecessor's point had taken)
+    stuck = [line for f in (out / "logs").glob("rank*.log") for line in f.read_text(errors="replace").splitlines()
+             if "not replicated after" in line]
+    assert not stuck, stuck
+
     final = load_final(out)
     for rank, tensors in final.ranks.items():
         steps_taken = {k: t for k, t in tensors.items() if k.startswith("optimizer/") and k.endswith(".step")}

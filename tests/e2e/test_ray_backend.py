@@ -9,12 +9,15 @@ bit-identical to the undisturbed reference run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -44,10 +47,19 @@ def ray_cluster(monkeypatch, tmp_path):
     for k, v in dict(RAY_ENV, RAY_TMPDIR=str(short)).items():
         monkeypatch.setenv(k, v)
     node = {"num_cpus": 1, "resources": {RESOURCE: 1}, "object_store_memory": 80 << 20}
-    c = RayCluster(initialize_head=True, head_node_args=dict(
-        node, temp_dir=str(short / "ray"), include_dashboard=False,
-        _system_config={"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
-                        "health_check_failure_threshold": 2}))
+    head = dict(node, temp_dir=str(short / "ray"), include_dashboard=False,
+                _system_config={"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                                "health_check_failure_threshold": 2})
+    try:
+        c = RayCluster(initialize_head=True, head_node_args=head)
+    except Exception as e:  # noqa: BLE001
+        # Ray gives its head node a fixed 30 s to register; on a loaded 2-vCPU machine it has
+        # (rarely) missed that. Not what this test is about: clean up and start it once more.
+        warnings.warn(f"Ray head node did not start ({e}); retrying once", stacklevel=1)
+        for line in _processes(str(short)):
+            with contextlib.suppress(OSError):
+                os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        c = RayCluster(initialize_head=True, head_node_args=head)
     try:
         for _ in range(3):
             c.add_node(wait=False, **node)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agents.replica import ReplicaServer, ReplicaStore, fetch, fetch_first, list_steps
+from agents.replica import ReplicaServer, ReplicaStore, Replicator, fetch, fetch_first, list_steps
 from recovery.snapshot import SnapshotEngine, tensors_from_bytes
 from recovery.state import provider_for
 from recovery.wire import (
@@ -210,6 +210,42 @@ def test_fetch_first_skips_a_holder_with_an_unhashable_dtype(snap, tmp_path, ser
 
 
 # -- authentication and strangers ---------------------------------------------------------------
+def test_a_new_worker_of_a_rank_is_confirmed_its_own_points_never_its_predecessors(tmp_path, serve):
+    """A rank's worker dies after point 15; a new worker of the same rank starts on the same
+    node, restores step 5 and writes point 5 again. The agent must confirm the new write, not the dead worker's
+    copy it still has on disk (that mix-up once held a worker at its replication gate for
+    the whole replication timeout)."""
+    buddy = serve(tmp_path / "buddy")
+    node = tmp_path / "node"
+    model = torch.nn.Linear(8, 4)
+    rep = Replicator(ReplicaStore(node), SECRET, buddies=lambda: [("buddy", HOST, buddy.port)],
+                     local_ranks=lambda: {0})
+    old = SnapshotEngine(node, rank=0, replicate_every=5, replication_timeout=3)
+    old.providers = provider_for("model", model)
+    for step in (-1, 5, 10, 15):
+        old.capture(step)
+        old.wait()
+        rep.push_once()
+    assert old.confirmed() == old._last_point  # the old worker's point 15 is replicated
+    old.close()  # the worker dies; its slot files stay (peers may still restore from them)
+    old_points = set(ReplicaStore(node).points(0))
+
+    rep.forget(0)  # the agent hands rank 0 to a new worker here
+    rep.push_once()  # a round before the new worker has written anything
+    new = SnapshotEngine(node, rank=0, replicate_every=5, replication_timeout=3)
+    new.providers = provider_for("model", model)
+    assert new.replicated() == -2, "the dead worker's confirmation must not count for the new one"
+    new.capture(5)  # rolled back to step 5: its own point 5, older than the dead worker's 15 (still on disk)
+    new.wait()
+    assert new._last_point not in old_points and new._last_point[0] == 5
+    assert ReplicaStore(node).steps(0).get(15) == "point"  # still served to peers
+    rep.push_once()
+    assert new.confirmed() == new._last_point, "the new worker's point was never confirmed"
+    assert ReplicaStore(tmp_path / "buddy").load(0, 5) is not None
+    new.close()
+    rep.stop()
+
+
 def test_wrong_secret_is_refused_both_ways_and_the_server_keeps_serving(snap, tmp_path, serve):
     srv = serve(tmp_path)
     with pytest.raises(WireError):
