@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from recovery import persist
+from recovery.slotfile import COMPLETE, WRITING, slot_ctrl
 
 log = logging.getLogger("hotspare.persist")
 
@@ -31,7 +32,7 @@ class Persister:
         world: Callable[[], tuple[int, int]],  # (epoch, world size)
         requested: Callable[[], int | None],
         event: Callable[..., None],
-        interval: float = 0.1,
+        interval: float = 0.02,
     ) -> None:
         self.run_dir = run_dir
         self.every = int(spec.get("persist_every") or 0)
@@ -46,6 +47,7 @@ class Persister:
         self.interval = interval
         self.done: dict[int, int] = {}  # sid -> newest step persisted (or given up on)
         self.failed: dict[int, str] = {}
+        self._settled: dict[Path, int] = {}  # point slot -> seq of the write nothing is left to do for
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="persister", daemon=True)
 
@@ -76,20 +78,28 @@ class Persister:
 
     def persist_once(self) -> None:
         for sid, rank in sorted(self.local_ranks().items()):
+            # polled often (a late start delays the checkpoint): first only the 64-byte control
+            # blocks; a slot's header is read only for a wanted step not yet dealt with
+            paths = [p for k in range(2)
+                     if (c := slot_ctrl(p := self.run_dir / f"rank{sid}.point{k}"))
+                     and c[0] in (WRITING, COMPLETE) and self.wanted(c[1]) and self._settled.get(p) != c[2]]
             # a point still being copied counts: the writer streams it as the copy goes on
-            views = [v for k in range(2)
-                     if (v := persist.open_slot(self.run_dir / f"rank{sid}.point{k}", writing=True))]
+            views = [v for p in paths if (v := persist.open_slot(p, writing=True))]
             try:
                 for view in sorted(views, key=lambda v: -int(v.header["step"])):
                     step = int(view.header["step"])
                     # a step computed again after a rollback is a new (timeline, step): persisted
                     # again, never mixed with the files of its first computation
                     key = (int(view.header.get("timeline", 0)), step)
-                    if key > self.done.get(sid, (-1, -1)) and self.wanted(step):
+                    acted = key > self.done.get(sid, (-1, -1))
+                    if acted:
                         if step in persist.complete_steps(self.root):
                             self.done[sid] = key  # complete already: never rewrite it
-                            break
-                        self._persist(view, sid, rank, key)
+                        else:
+                            self._persist(view, sid, rank, key)
+                    if key <= self.done.get(sid, (-1, -1)):
+                        self._settled[view.path] = view.seq
+                    if acted:
                         break  # the newest wanted point only
             finally:
                 for v in views:

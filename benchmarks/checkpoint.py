@@ -176,7 +176,7 @@ from pathlib import Path
 from agents.persist import Persister
 p = Persister(Path(sys.argv[1]), {"persist_every": 10, "persist_path": sys.argv[2], "output_dir": sys.argv[2],
               "persist_keep": 1}, job="bench", local_ranks=lambda: {0: 0}, world=lambda: (1, 1),
-              requested=lambda: None, event=lambda *a, **k: None, interval=0.002).start()
+              requested=lambda: None, event=lambda *a, **k: None).start()  # the agent's own settings
 sys.stdin.read()
 p.stop()
 """

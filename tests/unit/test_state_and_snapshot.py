@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 import threading
@@ -370,6 +371,35 @@ def test_points_go_to_point_files_and_are_served_as_points(tmp_path):
         assert extra == {"step": 2}
     finally:
         eng.close()
+
+
+def test_slots_are_prepared_in_the_background_and_used_on_first_write(tmp_path):
+    """The first write creates its slot; every other slot is then created (its pages faulted
+    in) by a background thread and put in place when it is first written; a prepared slot
+    that is never used leaves no file behind."""
+    eng, prov, extra = _engine(tmp_path, slots=2, replicate_every=5, replication_timeout=30)
+    store = ReplicaStore(tmp_path)
+    try:
+        _set(prov, extra, -1)
+        eng.capture(-1)  # point0
+        eng.wait()
+        eng._prep_thread.join()
+        ready = dict(eng._ready)
+        assert sorted(ready) == [0, 1, 3]  # slot0, slot1, point1 (point0 is in use)
+        assert sorted(p.name for p in tmp_path.glob(".rank0.*.ready")) == sorted(
+            f".{eng.path(k).name}.{os.getpid()}.ready" for k in ready)
+        assert not (tmp_path / "rank0.slot0").exists()  # not in place before its first write
+        for step in (1, 2):
+            _set(prov, extra, step)
+            eng.capture(step)
+            eng.wait()
+        assert eng._slots[0] is ready[0] and eng._slots[1] is ready[1]
+        assert read_slot(tmp_path / "rank0.slot0")[0]["step"] == 1
+        assert store.steps(0) == {-1: "point", 1: "slot", 2: "slot"}
+        assert len(list(tmp_path.glob(".rank0.*"))) == 1  # point1's, still unused
+    finally:
+        eng.close()
+    assert not list(tmp_path.glob(".rank0.*")), "an unused prepared slot must not outlive the engine"
 
 
 def test_new_point_waits_for_the_previous_one_to_be_replicated(tmp_path):
