@@ -20,6 +20,7 @@ The newest complete slot is never the one a copy writes into.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import mmap
@@ -63,6 +64,9 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
+_STAGE_IDS = itertools.count()  # slot files being created get names of their own
+
+
 def _align(n: int, a: int = 64) -> int:
     return (n + a - 1) // a * a
 
@@ -104,7 +108,7 @@ class Slot:
         if create:
             # a fresh inode, swapped in whole: a reader (the agent) that has the old file
             # mapped keeps reading the old bytes instead of faulting on a truncated file
-            src = path.with_name(f".{path.name}.{os.getpid()}.{'ready' if staged else 'new'}")
+            src = path.with_name(f".{path.name}.{os.getpid()}.{next(_STAGE_IDS)}.{'ready' if staged else 'new'}")
             with open(src, "wb") as f:
                 f.truncate(self.size)
         fd = os.open(src, os.O_RDWR)
@@ -372,22 +376,24 @@ class SnapshotEngine:
         if it is being prepared right now), else created here. Then prepares, in the
         background (once this write is complete: not competing with its copy), every other
         slot that cannot hold the layout either."""
+        # under the lock throughout: the preparer must never see slot k as missing while it
+        # is being replaced here (it would prepare k a second time)
         with self._prep_cond:
             while self._preparing == k:
                 self._prep_cond.wait()
             ready = self._ready.pop(k, None)
-        if ready is not None and not ready.fits(header_len, data_len):
-            ready.close()
-            ready = None
-        old = self._slots[k]
-        if old is not None:
-            old.close()
-        if ready is not None:
-            ready.install()
-            slot = ready
-        else:
-            slot = Slot(self.path(k), max(65536, 2 * header_len), data_len)
-        self._slots[k] = slot
+            if ready is not None and not ready.fits(header_len, data_len):
+                ready.close()
+                ready = None
+            old = self._slots[k]
+            if old is not None:
+                old.close()
+            if ready is not None:
+                ready.install()
+                slot = ready
+            else:
+                slot = Slot(self.path(k), max(65536, 2 * header_len), data_len)
+            self._slots[k] = slot
         self._views.pop(k, None)
         return slot
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import shutil
 import threading
@@ -386,8 +385,8 @@ def test_slots_are_prepared_in_the_background_and_used_on_first_write(tmp_path):
         eng._prep_thread.join()
         ready = dict(eng._ready)
         assert sorted(ready) == [0, 1, 3]  # slot0, slot1, point1 (point0 is in use)
-        assert sorted(p.name for p in tmp_path.glob(".rank0.*.ready")) == sorted(
-            f".{eng.path(k).name}.{os.getpid()}.ready" for k in ready)
+        assert sorted(p.name.split(".")[1:3] for p in tmp_path.glob(".rank0.*.ready")) == sorted(
+            eng.path(k).name.split(".") for k in ready)
         assert not (tmp_path / "rank0.slot0").exists()  # not in place before its first write
         for step in (1, 2):
             _set(prov, extra, step)
@@ -400,6 +399,42 @@ def test_slots_are_prepared_in_the_background_and_used_on_first_write(tmp_path):
     finally:
         eng.close()
     assert not list(tmp_path.glob(".rank0.*")), "an unused prepared slot must not outlive the engine"
+
+
+def test_a_slot_taken_while_others_are_being_prepared_is_prepared_once(tmp_path, monkeypatch):
+    """The engine takes prepared slots while the preparer is still working on the others
+    (both slowed down here to widen the window): every slot is prepared at most once, and
+    every write lands (a second preparation of a slot being put in place once broke it)."""
+    made: list[str] = []
+    init, install = Slot.__init__, Slot.install
+
+    def slow_init(self, path, *a, staged=False, **kw):
+        if staged:
+            made.append(path.name)
+            time.sleep(0.05)
+        init(self, path, *a, staged=staged, **kw)
+
+    def slow_install(self):
+        time.sleep(0.1)
+        install(self)
+
+    monkeypatch.setattr(Slot, "__init__", slow_init)
+    monkeypatch.setattr(Slot, "install", slow_install)
+    eng, prov, extra = _engine(tmp_path, slots=3, replicate_every=3, replication_timeout=30)
+    store = ReplicaStore(tmp_path)
+    try:
+        for step in (-1, 1, 2, 3, 4, 5, 6, 7):
+            if eng.is_point(step):
+                store.confirm(0, eng.confirmed()[0] if eng._last_point is None else eng._last_point[0])
+            _set(prov, extra, step)
+            eng.capture(step)
+            eng.wait()
+            assert read_slot(next(p for p in tmp_path.glob("rank0.*")
+                                  if (slot_steps(p) or (0, -9))[1] == step))[0]["step"] == step
+    finally:
+        eng.close()
+    assert len(made) == len(set(made)), f"a slot was prepared twice: {made}"
+    assert not list(tmp_path.glob(".rank0.*"))
 
 
 def test_new_point_waits_for_the_previous_one_to_be_replicated(tmp_path):
