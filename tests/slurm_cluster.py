@@ -136,11 +136,32 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                  check=False)
         return killed
 
+    def _own_processes(self) -> list[int]:
+        """Every process started under this cluster's slurm.conf (daemons and slurmstepds)."""
+        mark = f"SLURM_CONF={self.conf}".encode()
+        out = []
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit() and int(proc.name) != os.getpid():
+                try:
+                    if mark in (proc / "environ").read_bytes().split(b"\0"):
+                        out.append(int(proc.name))
+                except OSError:
+                    continue
+        return out
+
     def stop(self) -> None:
+        pids = {self.slurmd_pid(n) for n in self.names} - {None}
         self.run("scontrol", "shutdown", check=False)
         time.sleep(0.5)
+        # a daemon busy with a stuck step can outlive the shutdown (and remove its pid file):
+        # nothing started here may outlive the tests
         for pidfile in self.root.glob("*.pid"):
             try:
-                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+                pids.add(int(pidfile.read_text()))
             except (OSError, ValueError):
+                pass
+        for pid in pids | set(self._own_processes()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
                 pass
