@@ -106,6 +106,7 @@ class Session:
             beat=self._beat,
         )
         self.snapshots.providers = [("rng", RNGState())]
+        self.snapshots.superseded = lambda: self.link.latest_epoch > self.epoch
         self._dirty = False  # an optimizer stepped since the last snapshot
         self._secret = b""
         self.last_restore: dict = {}

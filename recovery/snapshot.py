@@ -29,7 +29,7 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,6 +225,11 @@ class SnapshotEngine:
         self._closing = False
         self._beat = beat
         self.replication_timeout = replication_timeout
+        #: True once the job has moved to a newer epoch (set by the session): a point still
+        #: waiting for its predecessor's replication is then dropped, not written -- this
+        #: step will be rolled back anyway, and writing it would overwrite the replicated
+        #: point the new epoch's restore may need
+        self.superseded: Callable[[], bool] = lambda: False
         #: written into every header: the rank and world size this state belongs to, and its
         #: timeline -- the epoch whose restore the state descends from. A step computed twice
         #: (before and after a rollback) has two timelines; the persistent tier never mixes
@@ -254,18 +259,25 @@ class SnapshotEngine:
         step, seq = self.confirmed()
         return (step, seq) == point or step > point[0]
 
-    def _await_replication(self) -> None:
+    def _await_replication(self) -> bool:
+        """Wait until the previous point is confirmed replicated. False: the job moved to a
+        newer epoch meanwhile (the caller drops its point)."""
         prev = self._last_point
         if prev is None or self._is_replicated(prev):
-            return
+            return True
         t0 = time.monotonic()
-        while not self._is_replicated(prev):
-            if time.monotonic() - t0 > self.replication_timeout:  # noqa: SIM102
-                log.warning("point %d of rank %d not replicated after %.0fs; going on unprotected",
-                            prev[0], self.rank, self.replication_timeout)
-                break
-            time.sleep(0.005)
-        self.replication_wait_s += time.monotonic() - t0
+        try:
+            while not self._is_replicated(prev):
+                if self.superseded():
+                    return False
+                if time.monotonic() - t0 > self.replication_timeout:  # noqa: SIM102
+                    log.warning("point %d of rank %d not replicated after %.0fs; going on unprotected",
+                                prev[0], self.rank, self.replication_timeout)
+                    break
+                time.sleep(0.005)
+            return True
+        finally:
+            self.replication_wait_s += time.monotonic() - t0
 
     # -- capture --------------------------------------------------------------------------
     def capture(self, step: int, timeline: int | None = None) -> None:
@@ -336,8 +348,10 @@ class SnapshotEngine:
                            **(lineage or {}), "meta": meta}, separators=(",", ":"))
         hb = (head[:-1] + ',"tensors":' + table + "}").encode()
         point = self.is_point(step)
-        if point:
-            self._await_replication()
+        if point and not self._await_replication():
+            log.warning("point %d of rank %d dropped: a new epoch began while point %d waited for "
+                        "its replication", step, self.rank, self._last_point[0] if self._last_point else -2)
+            return
         k = self._pick_slot(point)
         slot = self._slots[k]
         created = slot is None or not slot.fits(len(hb), data_len)

@@ -491,6 +491,34 @@ def test_point_gives_up_waiting_after_the_replication_timeout(tmp_path, caplog):
         eng.close()
 
 
+def test_a_point_waiting_when_a_new_epoch_begins_is_dropped_and_overwrites_nothing(tmp_path, caplog):
+    """Point 2 waits for point 0's replication, which never comes (its buddy is gone); a new
+    epoch begins. The point is dropped at once -- not written over point -1, the replicated
+    one the new epoch's restore may need -- instead of waiting out the replication timeout."""
+    eng, prov, extra = _engine(tmp_path, replicate_every=2, replication_timeout=600)
+    store = ReplicaStore(tmp_path)
+    new_epoch = threading.Event()
+    eng.superseded = new_epoch.is_set
+    try:
+        for step in (-1, 0, 1):
+            if step == 0:
+                store.confirm(0, -1)
+            _set(prov, extra, step)
+            eng.capture(step)
+            eng.wait()
+        _set(prov, extra, 2)
+        with caplog.at_level(logging.WARNING, logger="recovery.snapshot"):
+            eng.capture(2)  # waits for point 0, never confirmed
+            assert not eng._idle.wait(0.3), "point 2 must wait for point 0's replication"
+            new_epoch.set()
+            eng.wait()
+        assert any("dropped" in r.getMessage() for r in caplog.records)
+        assert eng.available() == [-1, 0, 1]
+        assert sorted(store.steps(0).items()) == [(-1, "point"), (0, "point"), (1, "slot")]
+    finally:
+        eng.close()
+
+
 # -- read_slot ------------------------------------------------------------------------------------
 def _complete_slot(tmp_path):
     eng, prov, extra = _engine(tmp_path / "eng")
