@@ -304,6 +304,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     losses = {r: p.metrics.get("loss") for r, p in sorted(snap.progress.items()) if "loss" in p.metrics}
     if losses:
         print("final loss per rank: " + ", ".join(f"{r}: {v:.4f}" for r, v in losses.items()), file=out)
+    if embedded_dir is not None:
+        print(f"(the embedded etcd and controller keep running for `hotspare status|events|logs {d['name']}`; "
+              "`hotspare down` stops them)", file=out)
     if args.json:
         print(json.dumps({"job": d["name"], "state": state, "steps_done": steps_done, "recoveries": [
             {k: r[k] for k in ("failed_rank", "failed_node", "spare_node", "kind", "detect_s",

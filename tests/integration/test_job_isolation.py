@@ -84,7 +84,9 @@ def test_two_jobs_on_one_etcd_never_see_each_others_keys_failures_or_cancellatio
         "job a-b: 2 ranks + 1 spare node(s), 250 steps on local"]
     assert not [e for e in jb.events() if e.kind in ("chaos", "failure", "swap", "cancelled")]
     _assert_prefix_reads_stay_in_their_job(cluster.store)
-    # re-using the finished job a's name deletes a's old records, and only a's
+    # re-using the finished job a's name deletes a's old records, and only a's. First let
+    # a-b's agents finish leaving: their node keys live under their leases and go with them
+    cluster.wait(lambda: not jb.snapshot().nodes, timeout=60, what="job a-b's agents gone")
     keys_b = {k for k, job in _owner_of_every_key(cluster.store).items() if job == "a-b"}
     ja.submit(ja.spec(), b"\0" * 32)
     assert {k for k, job in _owner_of_every_key(cluster.store).items() if job == "a-b"} == keys_b
