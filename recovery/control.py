@@ -94,6 +94,23 @@ class ControlLink:
                 self._events.put(ev)  # keep it for later; etcd is away
                 return
 
+    def publish_progress(self) -> int:
+        """Put this rank's progress (step, timings, metrics) now; returns the step put."""
+        s = self._session
+        self.js.put_progress(
+            Progress(
+                rank=s.rank,
+                step=s.committed,
+                epoch=s.epoch,
+                node=self.node,
+                time=time.time(),
+                step_time=s.step_time,
+                compute_time=s.compute_time,
+                metrics=dict(s.metrics),
+            )
+        )
+        return s.committed
+
     def _run(self) -> None:
         last_poll = last_progress = 0.0
         published = None
@@ -108,19 +125,7 @@ class ControlLink:
             joined = s.epoch > 0
             if joined and now - last_progress >= self.progress_interval and s.committed != published:
                 try:
-                    self.js.put_progress(
-                        Progress(
-                            rank=s.rank,
-                            step=s.committed,
-                            epoch=s.epoch,
-                            node=self.node,
-                            time=time.time(),
-                            step_time=s.step_time,
-                            compute_time=s.compute_time,
-                            metrics=dict(s.metrics),
-                        )
-                    )
-                    published = s.committed
+                    published = self.publish_progress()
                     last_progress = now
                 except StoreError:
                     pass

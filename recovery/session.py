@@ -210,6 +210,7 @@ class Session:
                 step += 1
             write_manifest(self.spec["output_dir"], self.job, self.world_size, total, self.epoch)
             try:  # written before the done mark: once one rank is done, agents stop the rest
+                self.link.publish_progress()  # the last step's metrics, not the last periodic ones
                 self.js.event("finished", f"rank{self.rank}", f"rank {self.rank} finished {total} steps",
                               rank=self.rank, epoch=self.epoch)
             except StoreError:

@@ -44,6 +44,9 @@ def test_worker_kill_is_swapped_to_spare_and_survivors_keep_their_pids(cluster):
     # the spare's worker was warm (interpreter and torch loaded) when it got the rank
     [assigned] = [e for e in events if e.kind == "assigned" and e.data["epoch"] == 2]
     assert assigned.data["node"] == "spare0" and assigned.data["warm"] is True
+    # each rank publishes its last step's progress (and metrics) before its done mark, so
+    # the summary's numbers are the final ones, not the last periodic ones
+    assert {r: p.step for r, p in cluster.job("kill").snapshot().progress.items()} == {0: 119, 1: 119, 2: 119}
 
 
 def test_node_loss_without_report_is_swapped_after_lease_expiry(cluster):
