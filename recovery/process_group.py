@@ -93,11 +93,38 @@ class ReconfigurableProcessGroup:
             opts.is_high_priority_stream = False
             pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         else:
-            pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+            pg = self._build_gloo(store, epoch, rank, world_size)
         self._pg = pg
         self.epoch, self.rank, self.world_size = epoch, rank, world_size
         with self._lock:
             self._latest_epoch = max(self._latest_epoch, epoch)
+
+    def _build_gloo(self, store: dist.Store, epoch: int, rank: int, world_size: int) -> dist.ProcessGroup:
+        """Construct the gloo group in a helper thread (the constructor releases the GIL),
+        beating meanwhile. After the rendezvous every member connects to every other one: a
+        member that dies in between would hold the rest in that connect until the gloo
+        timeout, without a heartbeat. A newer epoch abandons the construction instead (the
+        thread ends at the timeout; what it built, if anything, goes to the graveyard)."""
+        box: dict[str, object] = {}
+        done = threading.Event()
+
+        def build() -> None:
+            try:
+                box["pg"] = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=build, name=f"gloo-build-epoch{epoch}", daemon=True).start()
+        while not done.wait(0.2):
+            self._beat()
+            if self._latest_epoch > epoch:
+                self._graveyard.append(box)
+                raise EpochSuperseded(f"epoch {epoch} superseded by {self._latest_epoch} while its group was connecting")
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box["pg"]  # type: ignore[return-value]
 
     def abandon(self, why: str) -> None:
         """Give up on the current backend (recording why); the next configure replaces it."""
