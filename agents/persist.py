@@ -91,16 +91,16 @@ class Persister:
                     # a step computed again after a rollback is a new (timeline, step): persisted
                     # again, never mixed with the files of its first computation
                     key = (int(view.header.get("timeline", 0)), step)
-                    acted = key > self.done.get(sid, (-1, -1))
-                    if acted:
-                        if step in persist.complete_steps(self.root):
-                            self.done[sid] = key  # complete already: never rewrite it
-                        else:
-                            self._persist(view, sid, rank, key)
+                    if key <= self.done.get(sid, (-1, -1)):
+                        self._settled[view.path] = view.seq  # nothing left to do for this write
+                        continue
+                    if step in persist.complete_steps(self.root):
+                        self.done[sid] = key  # complete already: never rewrite it
+                    else:
+                        self._persist(view, sid, rank, key)
                     if key <= self.done.get(sid, (-1, -1)):
                         self._settled[view.path] = view.seq
-                    if acted:
-                        break  # the newest wanted point only
+                    break  # the newest wanted point only
             finally:
                 for v in views:
                     v.close()

@@ -256,8 +256,9 @@ class SnapshotEngine:
         return self.confirmed()[0]
 
     def _is_replicated(self, point: tuple[int, int]) -> bool:
-        step, seq = self.confirmed()
-        return (step, seq) == point or step > point[0]
+        # exactly this write: a confirmation the agent was still writing for a dead
+        # predecessor's newer point must not pass for ours
+        return self.confirmed() == point
 
     def _await_replication(self) -> bool:
         """Wait until the previous point is confirmed replicated. False: the job moved to a

@@ -119,35 +119,15 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         if pid:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
+        for p in _pids_with_env(f"SLURMD_NODENAME={node}", f"SLURM_JOB_ID={job_id}"):
             try:
-                env = (proc / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if f"SLURMD_NODENAME={node}".encode() in env and f"SLURM_JOB_ID={job_id}".encode() in env:
-                try:
-                    os.kill(int(proc.name), signal.SIGKILL)
-                    killed.append(int(proc.name))
-                except ProcessLookupError:
-                    pass
+                os.kill(p, signal.SIGKILL)
+                killed.append(p)
+            except ProcessLookupError:
+                pass
         self.run("scontrol", "update", f"nodename={node}", "state=down", "reason=hotspare-test-node-loss",
                  check=False)
         return killed
-
-    def _own_processes(self) -> list[int]:
-        """Every process started under this cluster's slurm.conf (daemons and slurmstepds)."""
-        mark = f"SLURM_CONF={self.conf}".encode()
-        out = []
-        for proc in Path("/proc").iterdir():
-            if proc.name.isdigit() and int(proc.name) != os.getpid():
-                try:
-                    if mark in (proc / "environ").read_bytes().split(b"\0"):
-                        out.append(int(proc.name))
-                except OSError:
-                    continue
-        return out
 
     def stop(self) -> None:
         pids = {self.slurmd_pid(n) for n in self.names} - {None}
@@ -160,8 +140,25 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 pids.add(int(pidfile.read_text()))
             except (OSError, ValueError):
                 pass
-        for pid in pids | set(self._own_processes()):
+        # every process started under this cluster's slurm.conf (daemons and slurmstepds)
+        for pid in pids | set(_pids_with_env(f"SLURM_CONF={self.conf}")):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+def _pids_with_env(*entries: str) -> list[int]:
+    """Live processes (not this one) whose environment has every one of ``entries``."""
+    want = [e.encode() for e in entries]
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if all(w in env for w in want):
+            out.append(int(proc.name))
+    return out
