@@ -141,9 +141,9 @@ class Agent:
             log.error("job %s not found in etcd after %.0fs; giving up", self.job, self.wait_for_job)
             return 2
         self.spec = spec
-        self.slots = self._slots or spec["ranks_per_node"]
-        self.hang_timeout = float(spec["hang_timeout"])
-        out = Path(spec["output_dir"])
+        self.slots = self._slots or spec.ranks_per_node
+        self.hang_timeout = spec.hang_timeout
+        out = Path(spec.output_dir)
         self.log_dir = out / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -159,9 +159,9 @@ class Agent:
             buddies=lambda: self._buddies,
             local_ranks=self._local_sids,
         )
-        if int(self.spec.get("replicas", 1)) > 0:
+        if self.spec.replication_enabled:
             self._replicator.start()
-        self._world_info = (0, int(spec["ranks"]))
+        self._world_info = (0, spec.ranks)
         self._checkpoint_step: int | None = None
         self._persister = Persister(
             self.run_dir, spec, job=self.job,
@@ -170,7 +170,7 @@ class Agent:
             requested=lambda: self._checkpoint_step,
             event=lambda kind, msg, **data: self._event(kind, msg, **data),
         )
-        if int(self.spec.get("replicas", 1)) > 0:
+        if self.spec.replication_enabled:
             self._persister.start()
         self._register()
         cancel_watch = self.store.watch_prefix(self.js.keys.prefix, self._wake.set)
@@ -197,7 +197,7 @@ class Agent:
 
     def _register(self) -> None:
         self.incarnation = uuid.uuid4().hex[:12]
-        self._lease = self.store.lease(float(self.spec["lease_ttl"]))
+        self._lease = self.store.lease(self.spec.lease_ttl)
         self._publish(force=True)
         self.js.event(
             "node-joined",
@@ -287,7 +287,7 @@ class Agent:
         if world is None:
             return
         self._world_info = (world.epoch, world.size)
-        self._buddies = ring_buddies(world, snap.nodes, self.node, int(self.spec.get("replicas", 1)))
+        self._buddies = ring_buddies(world, snap.nodes, self.node, self.spec.replicas)
         # seats are matched by sid: a shrink renumbers ranks but keeps each survivor's sid
         mine = {world.sid(r): r for r in world.ranks_on(self.node, self.incarnation)}
         held = {w.sid: w for w in self.workers.values() if w.rank is not None}
@@ -395,7 +395,7 @@ class Agent:
         hb_path = self.run_dir / f"slot{slot}-{time.time_ns()}.hb"
         hb = Heartbeat(hb_path)
         env = dict(os.environ)
-        env.update({k: str(v) for k, v in (self.spec.get("env") or {}).items()})
+        env.update({k: str(v) for k, v in self.spec.env.items()})
         env.update(self.worker_env)
         env.update(
             {
@@ -409,7 +409,7 @@ class Agent:
                 "PYTHONUNBUFFERED": "1",
             }
         )
-        if self.spec.get("backend", "local") == "local":
+        if self.spec.backend == "local":
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         logf = open(self.log_dir / f"worker-{self.node}-slot{slot}.log", "ab")
         proc = subprocess.Popen(
@@ -505,7 +505,7 @@ class Agent:
         elif action == "slow-rank":
             target.hb.set_delay(float(seconds if seconds is not None else 0.5))
         elif action == "partition-node":
-            self._partition(float(seconds if seconds is not None else 2 * self.spec["lease_ttl"]))
+            self._partition(float(seconds if seconds is not None else 2 * self.spec.lease_ttl))
         else:
             log.warning("chaos action %s is not executed by agents", action)
 

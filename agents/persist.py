@@ -35,10 +35,10 @@ class Persister:
         interval: float = 0.02,
     ) -> None:
         self.run_dir = run_dir
-        self.every = int(spec.get("persist_every") or 0)
-        self.root = spec.get("persist_path") or str(Path(spec["output_dir"]) / "checkpoints")
-        self.local_dir = spec.get("persist_local_dir")
-        self.keep = int(spec.get("persist_keep") or 2)
+        self.every = spec.persist_every
+        self.root = spec.persist_root
+        self.local_dir = spec.persist_local_dir
+        self.keep = spec.persist_keep
         self.job = job
         self.local_ranks = local_ranks
         self.world = world

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
+from recovery.replica_client import fetch, fetch_first, list_steps  # noqa: F401 - re-exported (deprecated here)
 from recovery.slotfile import COMPLETE, read_slot, slot_ctrl, slot_steps, write_confirmation
 from recovery.wire import Channel, WireError, checksums, validate_snapshot
 
@@ -285,50 +286,3 @@ class Replicator:
                 ch.close()
             time.sleep(0.2)
             return False
-
-
-def fetch(host: str, port: int, secret: bytes, rank: int, step: int, timeout: float = 30) -> tuple[dict, bytes]:
-    """Get and verify rank's snapshot at step from one holder. Raises WireError if it is
-    missing, malformed or fails a checksum."""
-    ch = Channel.client(host, port, secret, timeout=timeout)
-    try:
-        ch.send({"op": "get", "rank": rank, "step": step})
-        reply, body = ch.recv()
-    finally:
-        ch.close()
-    if not reply.get("ok"):
-        raise WireError(str(reply.get("error")))
-    snap = reply.get("snapshot")
-    if not isinstance(snap, dict):
-        raise WireError("get reply without a snapshot header")
-    validate_snapshot(snap, body)
-    return snap, body
-
-
-def list_steps(host: str, port: int, secret: bytes, rank: int, timeout: float = 5) -> list[int]:
-    ch = Channel.client(host, port, secret, timeout=timeout)
-    try:
-        ch.send({"op": "list", "rank": rank})
-        reply, _ = ch.recv()
-    finally:
-        ch.close()
-    steps = reply.get("steps") if reply.get("ok") else None
-    if not isinstance(steps, list) or not all(isinstance(s, int) for s in steps):
-        raise WireError(f"bad list reply: {reply!r}")
-    return steps
-
-
-def fetch_first(
-    holders: list[tuple[str, str, int]], secret: bytes, rank: int, step: int
-) -> tuple[dict, bytes, str]:
-    """The first holder's copy that passes every check; each rejection is logged. Raises
-    RuntimeError naming every holder and why, if none is usable."""
-    errors = []
-    for name, host, port in holders:
-        try:
-            header, body = fetch(host, port, secret, rank, step)
-            return header, body, name
-        except (OSError, WireError, ValueError, TypeError, KeyError) as e:
-            log.warning("replica of rank %d step %d from %s rejected: %s", rank, step, name, e)
-            errors.append(f"{name}: {e}")
-    raise RuntimeError(f"no usable replica of rank {rank} at step {step}: " + "; ".join(errors))

@@ -103,11 +103,11 @@ def main() -> int:
     if spec is None:
         print(f"job {job} has no spec in etcd", file=sys.stderr)
         return 2
-    fn = load_entrypoint(spec["entrypoint"])
+    fn = load_entrypoint(spec.entrypoint)
     prewarm_torch()
     warm = getattr(sys.modules.get(fn.__module__), "warmup", None)
     if callable(warm):  # the job's own warm-up (load data, build caches) before any rank
-        warm(**(spec.get("args") or {}))
+        warm(**spec.args)
     hb.beat(-1, WARM)
 
     line = sys.stdin.readline()
@@ -137,7 +137,7 @@ def main() -> int:
         delay=hb.delay,
     )
     try:
-        fn(session, **(spec.get("args") or {}))
+        fn(session, **spec.args)
     except Fenced as f:
         logging.warning("fenced: %s; exiting", f.why)
         return EXIT_FENCED

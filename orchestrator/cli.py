@@ -390,7 +390,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     w = snap.world
     now = time.time()
     scores = straggler_scores(snap, w) if w else {}
-    threshold = float((snap.spec or {}).get("straggler_threshold", 2.0))
+    threshold = snap.spec.straggler_threshold if snap.spec else 2.0
     ranks = []
     for r, seat in enumerate(w.seats if w else ()):
         p = snap.progress.get(r)
@@ -422,7 +422,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         sc = f"{r['straggler_score']:.2f}" if r["straggler_score"] is not None else "-"
         print(f"{r['rank']:>4}  {r['node']:<10} {r['state']:<10} {r['step']:>6} {r['since_epoch']:>5} {st_:>8} {ct:>8} {sc:>6}")
     print("score = compute time per step / median of all ranks; >= "
-          f"{threshold:g} is a straggler (on_straggler: {(snap.spec or {}).get('on_straggler', 'report')})")
+          f"{threshold:g} is a straggler (on_straggler: {snap.spec.on_straggler if snap.spec else 'report'})")
     print(f"spares: {', '.join(spares) or 'none'}")
     return 0
 
@@ -460,7 +460,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if rec is not None:  # scheduler jobs write logs to output_dir (a shared filesystem)
         log_dir = Path(rec["output_dir"]) / "logs"
     else:
-        log_dir = Path(_jobstore(args).spec()["output_dir"]) / "logs"
+        log_dir = _job_spec(_jobstore(args)).log_dir
     if args.rank is not None:
         files = [log_dir / f"rank{args.rank}.log"]
     elif args.node:
@@ -487,19 +487,28 @@ def _next_point(snap, every: int, margin_s: float) -> int:
     return (int(est + ahead) // every + 1) * every
 
 
+def _job_spec(js):
+    """The job's stored spec; a clear error if the job is not in this etcd."""
+    spec = js.spec()
+    if spec is None:
+        raise CliError(f"no job {js.job!r} in this etcd (`hotspare status` with no JOB lists the jobs it has)")
+    return spec
+
+
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     """Persist the job's state at an upcoming replication point, out of schedule."""
     from recovery import persist
 
     js = _jobstore(args)
     snap = js.snapshot()
-    spec = snap.spec or {}
+    if snap.spec is None:
+        raise CliError(f"no job {args.job!r} in this etcd")
+    spec = snap.spec
     if snap.state.terminal:
-        raise CliError(f"job {args.job} is {snap.state.value}; its final state is in {spec.get('output_dir')}/final")
-    if not int(spec.get("replicas", 1)):
+        raise CliError(f"job {args.job} is {snap.state.value}; its final state is in {spec.output_dir}/final")
+    if not spec.replication_enabled:
         raise CliError("persisting needs replication points: this job runs with replicas: 0")
-    every, total = int(spec.get("replicate_every", 10)), int(spec["steps"])
-    root = spec.get("persist_path") or str(Path(spec["output_dir"]) / "checkpoints")
+    every, total, root = spec.replicate_every, spec.steps, spec.persist_root
     margin = 2.0  # seconds for the request to reach every agent
     start = time.monotonic()
     while True:
@@ -508,7 +517,7 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
             newest = max((p.step for p in snap.progress.values()), default=-1)
             raise CliError(f"job {args.job} is at step {newest} of {total}: no replication point "
                            f"(every {every} steps) is left before the end; the final state will be written")
-        js.store.put(js.keys.checkpoint, json.dumps({"step": step, "time": time.time()}))
+        js.request_checkpoint(step)
         print(f"checkpoint requested at step {step} (a replication point); it goes to "
               f"{persist.checkpoint_path(root, step)}", flush=True)
         if args.no_wait:
@@ -665,7 +674,7 @@ def _random_chaos(args: argparse.Namespace, js) -> int:
     rng = random.Random(args.seed)
     done = 0
     revive: list[tuple[float, str]] = []
-    spec = js.spec()
+    spec = _job_spec(js)
     while args.count is None or done < args.count:
         wait = rng.expovariate(1.0 / args.mtbf)
         deadline = time.monotonic() + wait
@@ -695,14 +704,14 @@ def _random_chaos(args: argparse.Namespace, js) -> int:
     return 0
 
 
-def _revive_due(revive: list, js, spec: dict) -> None:
+def _revive_due(revive: list, js, spec) -> None:
     """Local backend: bring killed nodes back as spares (a rebooted machine rejoins)."""
     from .launchers.local import start_agent
 
     now = time.monotonic()
     for item in [r for r in revive if r[0] <= now]:
         revive.remove(item)
-        start_agent(js.job, item[1], js.store.endpoints, Path(spec["output_dir"]) / "logs", spare=True)
+        start_agent(js.job, item[1], js.store.endpoints, spec.log_dir, spare=True)
         print(f"revived {item[1]} as a spare", flush=True)
 
 

@@ -9,7 +9,6 @@ key expires (one lease TTL).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -19,10 +18,13 @@ import time
 
 from .decide import Decision, decide
 from .store import (
+    CONTROLLER,
     Compare,
+    EventKind,
     JobSnapshot,
     JobStore,
     LeaseLost,
+    StateRecord,
     Store,
     StoreError,
     StoreUnavailable,
@@ -31,7 +33,7 @@ from .store import (
 
 log = logging.getLogger("hotspare.controller")
 
-CONTROLLER_NODE = "_controller"  # chaos commands addressed to the leader controller
+CONTROLLER_NODE = CONTROLLER  # deprecated alias: chaos commands for the leader controller
 
 
 class Controller:
@@ -63,15 +65,11 @@ class Controller:
 
     def lead(self, js: JobStore) -> bool:
         """True if we hold (or just took) the job's leader key."""
-        lease = self._ensure_lease()
-        kv = self.store.get(js.keys.leader)
-        if kv is not None:
-            return kv.value.decode() == self.ident
-        if self.store.create(js.keys.leader, self.ident, lease=lease):
+        leading, took = js.try_lead(self.ident, self._ensure_lease())
+        if took:
             log.info("leading job %s as %s", js.job, self.ident)
-            js.event("leader", self.ident, f"controller {self.ident} leads", controller=self.ident)
-            return True
-        return False
+            js.event(EventKind.LEADER, self.ident, f"controller {self.ident} leads", controller=self.ident)
+        return leading
 
     def stop(self) -> None:
         self._stop.set()
@@ -160,7 +158,7 @@ class Controller:
                 js.keys.world(d.world.epoch): d.world.to_json(),
             }
             if d.action == "place":
-                puts[js.keys.state] = json.dumps({"state": "running", "time": now})
+                puts[js.keys.state] = StateRecord("running", now).to_json()
             ok = self.store.txn(self._fence(js, snap), puts=puts, deletes=reports)
             if not ok:
                 log.info("[%s] decision lost a race (state changed); will re-read", js.job)
@@ -169,11 +167,7 @@ class Controller:
             return True
         state = d.final_state
         if state is not None:
-            ok = self.store.txn(
-                [Compare(js.keys.leader, "value", "==", self.ident.encode())],
-                puts={js.keys.state: json.dumps({"state": state.value, "message": d.reason, "time": now})},
-                deletes=reports,
-            )
+            ok = js.set_state(state, d.reason, leader=self.ident, clear_reports=reports)
             if ok:
                 js.event(state.value, "controller", d.reason)
                 self._finished.add(js.job)

@@ -8,9 +8,9 @@ sentence the controller logs.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from .spec import JobSpec
 from .store.job import JobSnapshot
 from .store.records import JobState, Node, Seat, World
 
@@ -69,9 +69,9 @@ def decide(obs: JobSnapshot) -> Decision:
 
 
 # -- initial placement ------------------------------------------------------------------
-def _place(obs: JobSnapshot, spec: dict) -> Decision:
-    ranks, rpn, spares = spec["ranks"], spec["ranks_per_node"], spec["spares"]
-    needed = math.ceil(ranks / rpn)
+def _place(obs: JobSnapshot, spec: JobSpec) -> Decision:
+    ranks, rpn, spares = spec.ranks, spec.ranks_per_node, spec.spares
+    needed = spec.nodes
     nodes = sorted(obs.nodes.values(), key=lambda n: (n.role != "active", n.name))
     active = [n for n in nodes if n.role == "active"]
     if len(active) < needed and len(nodes) < needed + spares:
@@ -156,7 +156,7 @@ def _finished(obs: JobSnapshot, rank: int, seat: Seat) -> bool:
     return d is not None and d.get("epoch", 0) >= seat.since
 
 
-def _reconcile(obs: JobSnapshot, spec: dict, world: World) -> Decision:
+def _reconcile(obs: JobSnapshot, spec: JobSpec, world: World) -> Decision:
     # A rank marks itself done only after the final barrier completed, which needs every
     # rank to have finished its last step: one done rank means the job is complete, even
     # if another rank dies before it could write its own mark.
@@ -164,23 +164,23 @@ def _reconcile(obs: JobSnapshot, spec: dict, world: World) -> Decision:
     if finished:
         return Decision(
             "succeed",
-            f"all {_plural(world.size, 'rank')} finished {spec['steps']} steps",
+            f"all {_plural(world.size, 'rank')} finished {spec.steps} steps",
             clear_reports=tuple((rep.node, rep.rank) for rep in obs.reports),
         )
     losses, stale = find_losses(obs, world)
-    if not losses and spec.get("on_straggler") == "replace":
-        slow = stragglers(obs, world, float(spec.get("straggler_threshold", 2.0)))
+    if not losses and spec.on_straggler == "replace":
+        slow = stragglers(obs, world, spec.straggler_threshold)
         if slow and _choose_spares(obs, world, slow, {lo.node for lo in slow}, {lo.rank for lo in slow}):
             losses = slow  # replace them like failures; without a spare they are only reported
     if not losses:
         grow = _grow(obs, spec, world, tuple(stale))
         if grow is not None:
             return grow
-        short = spec["ranks"] - world.size
+        short = spec.ranks - world.size
         return Decision(
             "none",
             f"epoch {world.epoch}: {_plural(world.size, 'rank')} healthy"
-            + (f" ({short} below ranks={spec['ranks']}; growing back once a warm worker is free)"
+            + (f" ({short} below ranks={spec.ranks}; growing back once a warm worker is free)"
                if short > 0 else ""),
             clear_reports=tuple(stale),
         )
@@ -220,7 +220,7 @@ def _reconcile(obs: JobSnapshot, spec: dict, world: World) -> Decision:
             clear_reports=handled,
         )
 
-    policy = spec.get("on_no_spare", "wait")
+    policy = spec.on_no_spare
     free = _free_capacity(obs, world, failed_nodes, lost_ranks)
     have = sum(free.values())
     short = f"{what}; no spare left ({have} free slot(s) for {len(losses)} lost rank(s))"
@@ -234,7 +234,7 @@ def _reconcile(obs: JobSnapshot, spec: dict, world: World) -> Decision:
         )
     if policy == "shrink":
         survivors = [s for r, s in enumerate(world.seats) if r not in lost_ranks]
-        min_ranks = spec.get("min_ranks", 1)
+        min_ranks = spec.min_ranks
         if len(survivors) < min_ranks:
             return Decision(
                 "fail",
@@ -278,7 +278,7 @@ def _sid(world: World, old_rank: int, new_rank: int) -> int:
     return -1 if sid == new_rank else sid
 
 
-def _grow(obs: JobSnapshot, spec: dict, world: World, stale: tuple) -> Decision | None:
+def _grow(obs: JobSnapshot, spec: JobSpec, world: World, stale: tuple) -> Decision | None:
     """A healthy world below ``ranks`` (after a shrink) grows back onto warm free workers.
 
     Only warm workers are taken, so the members wait for the newcomers' rendezvous, not
@@ -286,7 +286,7 @@ def _grow(obs: JobSnapshot, spec: dict, world: World, stale: tuple) -> Decision 
     go at the end (no survivor is renumbered) with fresh sids: they have no state of their
     own and take a member's (data-parallel replicas are identical), see recovery/session.py.
     """
-    missing = spec["ranks"] - world.size
+    missing = spec.ranks - world.size
     if missing <= 0:
         return None
     free = _free_capacity(obs, world, set(), set())
@@ -308,19 +308,19 @@ def _grow(obs: JobSnapshot, spec: dict, world: World, stale: tuple) -> Decision 
     epoch = world.epoch + 1
     new_seats = tuple(
         # unique for the job's life: initial sids are < ranks, and each epoch has its own range
-        Seat(name, obs.nodes[name].incarnation, epoch, epoch * spec["ranks"] + i)
+        Seat(name, obs.nodes[name].incarnation, epoch, epoch * spec.ranks + i)
         for i, name in enumerate(chosen)
     )
     new = World(
         epoch=epoch,
         seats=world.seats + new_seats,
-        reason=f"growing back towards {spec['ranks']} ranks",
+        reason=f"growing back towards {spec.ranks} ranks",
         grown_from=world.size,
     )
     moves = ", ".join(f"rank {world.size + i} -> {n}" for i, n in enumerate(chosen))
     return Decision(
         "grow",
-        f"epoch {world.epoch}: {_plural(world.size, 'rank')} of {spec['ranks']}; growing to "
+        f"epoch {world.epoch}: {_plural(world.size, 'rank')} of {spec.ranks}; growing to "
         f"{_plural(new.size, 'rank')} ({moves}) at epoch {epoch}",
         world=new,
         spares=tuple(chosen),

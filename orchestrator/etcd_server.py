@@ -16,6 +16,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from .util import pid_alive
+
 
 class EtcdNotFound(RuntimeError):
     pass
@@ -153,27 +155,6 @@ def stop_pid(pid: int, timeout: float = 10.0) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie child still answers kill(0); reap it if it is ours
-    try:
-        wpid, _ = os.waitpid(pid, os.WNOHANG)
-        if wpid == pid:
-            return False
-    except ChildProcessError:
-        pass
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return True
 
 
 def start_etcd(data_dir: Path, log_path: Path | None = None, detach: bool = False) -> EtcdServer:

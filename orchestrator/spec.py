@@ -24,6 +24,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -269,6 +270,27 @@ class JobSpec:
         """Nodes to provision: the active ones plus the hot spares."""
         return self.nodes + self.spares
 
+    @property
+    def replication_enabled(self) -> bool:
+        """``replicas: 0`` turns off replication points, and with them the persistent tier
+        (a point is what the agent persists)."""
+        return self.replicas > 0
+
+    @property
+    def point_every(self) -> int:
+        """Steps between replication points; 0 when replication is off."""
+        return self.replicate_every if self.replication_enabled else 0
+
+    @property
+    def persist_root(self) -> str:
+        """Where complete checkpoints live: ``persist_path``, else ``<output_dir>/checkpoints``."""
+        return self.persist_path or str(Path(self.output_dir or ".") / "checkpoints")
+
+    @property
+    def log_dir(self) -> Path:
+        """Agents' and workers' log files: ``<output_dir>/logs``."""
+        return Path(self.output_dir or ".") / "logs"
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict that :meth:`from_dict` turns back into an equal spec."""
         out: dict[str, Any] = {}
@@ -286,6 +308,11 @@ class JobSpec:
     def to_json(self, indent: int | None = None) -> str:
         """The spec as JSON, the form in which it is stored in etcd and handed to agents."""
         return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> JobSpec:
+        """The spec as stored in etcd (:meth:`to_json`) back as a ``JobSpec``."""
+        return cls.from_dict(json.loads(raw))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> JobSpec:

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from orchestrator.store import JobStore, Store, StoreError
+from orchestrator.spec import ChaosEntry, JobSpec
+from orchestrator.store import CONTROLLER, JobStore, Store, StoreError
 from orchestrator.store.c10d import EtcdC10dStore, RendezvousAborted
 
 from .control import ControlLink
@@ -34,6 +35,7 @@ from .state import RNGState, provider_for, reseed
 
 log = logging.getLogger(__name__)
 
+COLLECTIVE_TIMEOUT = 60.0  # seconds a collective or rendezvous may take before it counts as failed
 WINDOW = 64  # steps considered when agreeing on a common snapshot (newest - 63 .. newest)
 
 
@@ -59,7 +61,7 @@ class Session:
         *,
         store: Store,
         job: str,
-        spec: dict,
+        spec: JobSpec,
         rank: int,
         epoch: int,
         node: str,
@@ -77,7 +79,7 @@ class Session:
         self._fresh: bool | None = None  # a seat added by a grow, not yet holding any state
         self.node = node
         self.incarnation = incarnation
-        self.world_size = spec["ranks"]
+        self.world_size = spec.ranks
         self.epoch = 0
         self._target_epoch = epoch
         self.committed = -1  # last step completed (with every collective in it) on this rank
@@ -89,7 +91,7 @@ class Session:
         self._beat_fn = beat
         self._agent_pid = agent_pid
         self._slow = 0.0
-        timeout = timedelta(seconds=float(spec.get("collective_timeout", 60)))
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT)
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self._pg = ReconfigurableProcessGroup(
             self._rendezvous_store, backend=backend, timeout=timeout, beat=self._beat
@@ -101,8 +103,7 @@ class Session:
         self.snapshots = SnapshotEngine(
             snap_dir,
             self.sid,
-            slots=int(spec.get("snapshot_slots", 2)),
-            replicate_every=int(spec.get("replicate_every", 10)) if int(spec.get("replicas", 1)) else 0,
+            replicate_every=spec.point_every,
             beat=self._beat,
         )
         self.snapshots.providers = [("rng", RNGState())]
@@ -172,7 +173,7 @@ class Session:
         A step whose collectives failed is not committed: after the group is rebuilt
         every rank resumes from the newest step all members completed.
         """
-        total = int(total if total is not None else self.spec["steps"])
+        total = int(total if total is not None else self.spec.steps)
         self.link.start()
         try:
             step = self._join()
@@ -208,7 +209,7 @@ class Session:
                     self._resumed_pending = False
                     self.link.event("resumed", f"rank {self.rank} completed step {step}", epoch=self.epoch, rank=self.rank, step=step)
                 step += 1
-            write_manifest(self.spec["output_dir"], self.job, self.world_size, total, self.epoch)
+            write_manifest(self.spec.output_dir, self.job, self.world_size, total, self.epoch)
             try:  # written before the done mark: once one rank is done, agents stop the rest
                 self.link.publish_progress()  # the last step's metrics, not the last periodic ones
                 self.js.event("finished", f"rank{self.rank}", f"rank {self.rank} finished {total} steps",
@@ -236,7 +237,7 @@ class Session:
     def _next_epoch(self) -> int:
         """Block (beating) until an epoch newer than the broken one is published."""
         want = max(self._target_epoch, self.epoch + 1)
-        deadline = time.monotonic() + float(self.spec.get("hang_timeout", 60))
+        deadline = time.monotonic() + self.spec.hang_timeout
         while self.link.latest_epoch < want:
             self.link.check_epoch()
             if self.link.latest_epoch >= want:
@@ -311,7 +312,7 @@ class Session:
 
     def _holders(self) -> dict[int, list[tuple[str, str, int]]]:
         """step -> replica holders of this rank's state, asking every live agent."""
-        from agents.replica import list_steps
+        from .replica_client import list_steps
 
         snap = self.js.snapshot()
         if not self._secret:
@@ -429,7 +430,7 @@ class Session:
         return f"peer rank {donor} (grown seat)", len(raw) - hlen
 
     def _persist_root(self) -> str:
-        return self.spec.get("persist_path") or str(Path(self.spec["output_dir"]) / "checkpoints")
+        return self.spec.persist_root
 
     def _persisted_step(self, below: int | None = None) -> int:
         """Newest complete persisted checkpoint of this world size (older than ``below``), or -1."""
@@ -510,7 +511,7 @@ class Session:
         self.link.event("corrupted", f"corrupted {f}", rank=self.rank, step=steps[-1], path=str(f))
 
     def _fetch(self, step: int, holders: list[tuple[str, str, int]]) -> tuple[dict, bytes, str]:
-        from agents.replica import fetch_first
+        from .replica_client import fetch_first
 
         return fetch_first(holders, self._secret, self.sid, step)
 
@@ -521,7 +522,7 @@ class Session:
         for name, p in self.snapshots.providers:
             tensors.update({f"{name}/{k}": t for k, t in p.tensors().items()})
             meta[name] = p.meta()
-        write_rank(self.spec["output_dir"], self.rank, total - 1, tensors, meta)
+        write_rank(self.spec.output_dir, self.rank, total - 1, tensors, meta)
 
     def _maybe_chaos(self, step: int) -> None:
         """Scheduled failures from the spec, fired exactly once at the start of a step.
@@ -531,41 +532,41 @@ class Session:
         (kill, stop or slow itself, kill its own agent) it does at once, precisely at the
         step; the rest goes through etcd to whoever executes it, as the CLI would.
         """
-        for i, c in enumerate(self.spec.get("chaos") or ()):
-            if c["at_step"] != step:
+        for i, c in enumerate(self.spec.chaos):
+            if c.at_step != step:
                 continue
-            mine = c.get("rank") == self.rank if c.get("rank") is not None else self.rank == 0
+            mine = c.rank == self.rank if c.rank is not None else self.rank == 0
             if not mine:
                 continue
             try:
-                if not self.js.store.create(self.js.keys.fired(i), str(time.time())):
+                if not self.js.fire_once(i):
                     continue  # already fired in an earlier life of this step
-                target = c.get("node") or self.node
+                target = c.node or self.node
                 self.js.event(
                     "chaos",
                     f"rank{self.rank}",
-                    f"scheduled {c['action']} at step {step}"
-                    + (f" of rank {c['rank']}" if c.get("rank") is not None else "")
-                    + (f" on {c['node']}" if c.get("node") else ""),
-                    action=c["action"],
-                    rank=c.get("rank"),
+                    f"scheduled {c.action} at step {step}"
+                    + (f" of rank {c.rank}" if c.rank is not None else "")
+                    + (f" on {c.node}" if c.node else ""),
+                    action=c.action,
+                    rank=c.rank,
                     node=target,
                     step=step,
-                    seconds=c.get("seconds"),
+                    seconds=c.seconds,
                 )
                 self._fire(c, target)
             except StoreError as e:
                 log.warning("chaos entry %d not fired: %s", i, e)
 
-    def _fire(self, c: dict, node: str) -> None:
-        action = c["action"]
+    def _fire(self, c: ChaosEntry, node: str) -> None:
+        action = c.action
         log.warning("chaos: %s at step (rank %d)", action, self.rank)
         if action == "kill-rank":
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "hang-rank":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif action == "slow-rank":
-            self._slow = 0.5 if c.get("seconds") is None else max(0.0, float(c["seconds"]))  # 0 clears it
+            self._slow = 0.5 if c.seconds is None else max(0.0, float(c.seconds))  # 0 clears it
         elif action == "corrupt-checkpoint":
             self._corrupt_checkpoint()
         elif action == "kill-node" and node == self.node and self._agent_pid:
@@ -574,17 +575,15 @@ class Session:
             time.sleep(5)
             os.kill(os.getpid(), signal.SIGKILL)
         elif action in ("kill-node", "partition-node"):
-            self.js.send_chaos(node, {"action": action, "seconds": c.get("seconds"), "evented": True})
+            self.js.send_chaos(node, {"action": action, "seconds": c.seconds, "evented": True})
         elif action == "kill-controller":
-            from orchestrator.controller import CONTROLLER_NODE
-
-            self.js.send_chaos(CONTROLLER_NODE, {"action": action, "evented": True})
+            self.js.send_chaos(CONTROLLER, {"action": action, "evented": True})
         elif action == "restart-etcd":
             import subprocess
             import sys
 
             subprocess.Popen(
                 [sys.executable, "-m", "orchestrator.cli", "chaos", self.job, "--action",
-                 "restart-etcd", "--seconds", str(c.get("seconds") or 5)],
+                 "restart-etcd", "--seconds", str(c.seconds or 5)],
                 start_new_session=True, stdin=subprocess.DEVNULL,
             )

@@ -16,15 +16,83 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+from orchestrator.util import atomic_write
 
 MAGIC = b"HSSNAP01"
 _CTRL = "<8sqqqqqqq"  # magic, state, step, seq, header_len, data_off, data_len, copied
 CTRL_SIZE = 64
 _COPIED_OFF = 56  # where ``copied`` sits in the control block
 EMPTY, WRITING, COMPLETE = 0, 1, 2
+COPIED_OFFSET = _COPIED_OFF  # public name for the writer (recovery.snapshot)
+CTRL_FORMAT = _CTRL
+
+
+@dataclass(frozen=True)
+class DType:
+    """One element type a snapshot may hold: its size and its safetensors code. The torch
+    dtype of the same name is ``getattr(torch, name)`` (see :mod:`recovery.snapshot`)."""
+
+    name: str
+    itemsize: int
+    safetensors: str
+
+
+#: The one dtype table: snapshot headers, the wire's checks and the persisted format use it.
+DTYPES: dict[str, DType] = {d.name: d for d in (
+    DType("float32", 4, "F32"), DType("float64", 8, "F64"), DType("float16", 2, "F16"),
+    DType("bfloat16", 2, "BF16"), DType("int64", 8, "I64"), DType("int32", 4, "I32"),
+    DType("int16", 2, "I16"), DType("int8", 1, "I8"), DType("uint8", 1, "U8"),
+    DType("bool", 1, "BOOL"),
+)}
+
+
+class SlotDir:
+    """The names of the files in an agent's run directory (``/dev/shm/hotspare-...``), in
+    one place. Every name carries a *sid* (the seat's state id, see
+    :class:`orchestrator.store.Seat`), not a rank: a shrink renumbers ranks, never sids.
+
+    * ``rank<sid>.slot<k>``   ring slot k (the newest steps)
+    * ``rank<sid>.point<k>``  replication point slot k
+    * ``rank<sid>.replicated`` the agent's confirmation of one point write, ``"<step> <seq>"``
+    * ``<heartbeat>.fatal``   why a worker cannot go on (:func:`agents.worker_link.fatal_path`)
+
+    (The ``rank`` spelling predates sids and stays: the files are read across versions.)"""
+
+    SLOT_RE = re.compile(r"^rank(\d+)\.(slot|point)(\d+)$")
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    def slot(self, sid: int, k: int) -> Path:
+        return self.root / f"rank{sid}.slot{k}"
+
+    def point(self, sid: int, k: int) -> Path:
+        return self.root / f"rank{sid}.point{k}"
+
+    def points(self, sid: int, n: int = 2) -> list[Path]:
+        return [self.point(sid, k) for k in range(n)]
+
+    def confirmation(self, sid: int) -> Path:
+        return self.root / f"rank{sid}.replicated"
+
+    def files(self, sid: int) -> list[Path]:
+        """Every slot file of ``sid`` (ring and point), sorted by name."""
+        return sorted(p for p in self.root.glob(f"rank{sid}.*") if self.SLOT_RE.match(p.name))
+
+    @classmethod
+    def parse(cls, name: str) -> tuple[int, str, int] | None:
+        """(sid, "slot"|"point", k) for a slot file's name, else None."""
+        m = cls.SLOT_RE.match(name)
+        return (int(m[1]), m[2], int(m[3])) if m else None
+
+    def sids(self) -> set[int]:
+        """The sids that have slot files here."""
+        return {parsed[0] for p in self.root.iterdir() if (parsed := self.parse(p.name))}
 
 
 @dataclass
@@ -133,9 +201,7 @@ def slot_steps(path: Path) -> tuple[int, int] | None:
 # new worker of the same rank writes the same step again, with another seq), never a step.
 
 def write_confirmation(path: Path, step: int, seq: int) -> None:
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    tmp.write_text(f"{step} {seq}")
-    os.replace(tmp, path)
+    atomic_write(path, f"{step} {seq}", fsync=False)  # shared memory: nothing to make durable
 
 
 def read_confirmation(path: Path) -> tuple[int, int]:

@@ -18,10 +18,13 @@ from .client import (
     wait_until,
 )
 from .errors import Conflict, LeaseLost, StoreError, StoreUnavailable
-from .job import JobKeys, JobSnapshot, JobStore, list_jobs, parse_snapshot
-from .records import Event, JobState, Node, Progress, Report, Seat, World
+from .job import CONTROLLER, JobKeys, JobSnapshot, JobStore, list_jobs, parse_snapshot
+from .records import Event, EventKind, JobState, Node, Progress, Report, Seat, StateRecord, World
 
 __all__ = [
+    "CONTROLLER",
+    "EventKind",
+    "StateRecord",
     "ENV_OPTIONS",
     "KV",
     "PASSWORD_FILE_ENV",

@@ -30,8 +30,14 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from orchestrator.spec import JobSpec
+
 from .client import KV, Compare, Lease, Store
-from .records import Event, JobState, Node, Progress, Report, World
+from .errors import Conflict
+from .records import Event, EventKind, JobState, Node, Progress, Report, StateRecord, World
+
+#: The chaos "node" name of the leader controller (``hotspare chaos --action kill-controller``).
+CONTROLLER = "_controller"
 
 
 @dataclass(frozen=True)
@@ -42,10 +48,33 @@ class JobKeys:
     def prefix(self) -> str:
         return f"/hotspare/{self.job}/"
 
-    def __getattr__(self, name: str) -> str:  # spec, secret, state, cancel, leader, epoch
-        if name in ("spec", "secret", "state", "cancel", "leader", "epoch", "checkpoint"):
-            return self.prefix + name
-        raise AttributeError(name)
+    @property
+    def spec(self) -> str:
+        return self.prefix + "spec"
+
+    @property
+    def secret(self) -> str:
+        return self.prefix + "secret"
+
+    @property
+    def state(self) -> str:
+        return self.prefix + "state"
+
+    @property
+    def cancel(self) -> str:
+        return self.prefix + "cancel"
+
+    @property
+    def leader(self) -> str:
+        return self.prefix + "leader"
+
+    @property
+    def epoch(self) -> str:
+        return self.prefix + "epoch"
+
+    @property
+    def checkpoint(self) -> str:
+        return self.prefix + "checkpoint"
 
     def world(self, epoch: int) -> str:
         return f"{self.prefix}world/{epoch:08d}"
@@ -75,6 +104,9 @@ class JobKeys:
     def fired(self, index: int) -> str:
         return f"{self.prefix}fired/{index}"
 
+    def event(self, t_ns: int) -> str:
+        return f"{self.events_prefix}{t_ns:020d}-{os.urandom(3).hex()}"
+
     @property
     def events_prefix(self) -> str:
         return f"/hotspare-events/{self.job}/"
@@ -90,7 +122,7 @@ class JobSnapshot:
 
     job: str
     revision: int
-    spec: dict | None = None
+    spec: JobSpec | None = None
     state: JobState = JobState.PENDING
     state_message: str = ""
     cancel: bool = False
@@ -119,11 +151,11 @@ def parse_snapshot(job: str, kvs: list[KV], revision: int) -> JobSnapshot:
         rel = kv.key[len(p):]
         head, _, rest = rel.partition("/")
         if rel == "spec":
-            snap.spec = json.loads(kv.value)
+            snap.spec = JobSpec.from_json(kv.value)
         elif rel == "state":
-            d = json.loads(kv.value)
-            snap.state = JobState(d["state"])
-            snap.state_message = d.get("message", "")
+            rec = StateRecord.from_json(kv.value)
+            snap.state = rec.job_state
+            snap.state_message = rec.message
         elif rel == "cancel":
             snap.cancel = True
         elif rel == "leader":
@@ -169,9 +201,9 @@ class JobStore:
     def exists(self) -> bool:
         return self.store.get(self.keys.spec) is not None
 
-    def spec(self) -> dict | None:
+    def spec(self) -> JobSpec | None:
         kv = self.store.get(self.keys.spec)
-        return json.loads(kv.value) if kv else None
+        return JobSpec.from_json(kv.value) if kv else None
 
     def secret(self) -> bytes:
         kv = self.store.get(self.keys.secret)
@@ -189,14 +221,13 @@ class JobStore:
         kv = self.store.get(self.keys.state)
         if not kv:
             return JobState.PENDING, ""
-        d = json.loads(kv.value)
-        return JobState(d["state"]), d.get("message", "")
+        rec = StateRecord.from_json(kv.value)
+        return rec.job_state, rec.message
 
     # -- writes -----------------------------------------------------------------------
-    def submit(self, spec: dict, secret: bytes) -> None:
+    def submit(self, spec: JobSpec | dict, secret: bytes) -> None:
         """Create the job. Fails with Conflict if a job of that name is not finished."""
-        from .errors import Conflict
-
+        spec = (spec if isinstance(spec, JobSpec) else JobSpec.from_dict(spec)).to_dict()  # every reader parses it
         state, _ = self.state() if self.exists() else (None, "")
         if state is not None and not state.terminal:
             raise Conflict(f"job {self.job!r} exists and is {state.value}")
@@ -207,7 +238,7 @@ class JobStore:
             puts={
                 self.keys.spec: json.dumps(without_secrets(spec), sort_keys=True),
                 self.keys.secret: secret,
-                self.keys.state: json.dumps({"state": "pending", "time": time.time()}),
+                self.keys.state: StateRecord("pending", time.time()).to_json(),
             },
         )
         if not ok:
@@ -235,15 +266,45 @@ class JobStore:
     def request_cancel(self) -> None:
         self.store.put(self.keys.cancel, str(time.time()))
 
-    def event(self, kind: str, source: str, message: str = "", /, **data: object) -> Event:
-        ev = Event(time=time.time(), kind=kind, source=source, message=message, data=dict(data))
-        key = f"{self.keys.events_prefix}{time.time_ns():020d}-{os.urandom(3).hex()}"
-        self.store.put(key, ev.to_json())
+    def event(self, kind: EventKind | str, source: str, message: str = "", /, **data: object) -> Event:
+        ev = Event(time=time.time(), kind=str(kind), source=source, message=message, data=dict(data))
+        self.put_event(ev)
         return ev
 
     def put_event(self, ev: Event) -> None:
-        key = f"{self.keys.events_prefix}{int(ev.time * 1e9):020d}-{os.urandom(3).hex()}"
-        self.store.put(key, ev.to_json())
+        self.store.put(self.keys.event(int(ev.time * 1e9)), ev.to_json())
+
+    def request_checkpoint(self, step: int) -> None:
+        """Ask every agent to persist replication point ``step`` out of schedule."""
+        self.store.put(self.keys.checkpoint, json.dumps({"step": int(step)}))
+
+    def fire_once(self, index: int) -> bool:
+        """Claim scheduled chaos entry ``index``: True for exactly one caller, ever (a step
+        recomputed after a rollback must not fire its failure again)."""
+        return self.store.create(self.keys.fired(index), str(time.time()))
+
+    def deregister_node(self, node: str) -> None:
+        """Remove an agent's node key now (a clean exit), instead of when its lease expires."""
+        self.store.delete(self.keys.node(node))
+
+    def try_lead(self, ident: str, lease: Lease) -> tuple[bool, bool]:
+        """(leading, just_took): whether ``ident`` holds the job's leader key, and whether
+        this call created it. The key lives under ``lease``: a dead leader's key expires and
+        a standby's next call takes it."""
+        kv = self.store.get(self.keys.leader)
+        if kv is not None:
+            return kv.value.decode() == ident, False
+        took = self.store.create(self.keys.leader, ident, lease=lease)
+        return took, took
+
+    def set_state(self, state: JobState, message: str, *, leader: str,
+                  clear_reports: list[str] = ()) -> bool:
+        """Record a final state, only while ``leader`` still leads (CAS on the leader key)."""
+        return self.store.txn(
+            [Compare(self.keys.leader, "value", "==", leader.encode())],
+            puts={self.keys.state: StateRecord(state.value, time.time(), message).to_json()},
+            deletes=list(clear_reports),
+        )
 
     def events(self) -> list[Event]:
         kvs, _ = self.store.get_prefix(self.keys.events_prefix)

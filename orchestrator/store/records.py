@@ -7,7 +7,7 @@ JSON crosses the store boundary.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
@@ -38,7 +38,14 @@ class _Record:
 
     @classmethod
     def from_json(cls, raw: bytes):  # noqa: ANN206 - returns cls
-        return cls(**json.loads(raw))
+        """Tolerant of fields a newer writer added (like Patroni's ``Member.from_node``): an
+        older reader keeps working during a rolling upgrade; unknown fields are dropped."""
+        return cls(**_known(cls, json.loads(raw)))
+
+
+def _known(cls: type, d: dict) -> dict:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,7 @@ class World:
         d = json.loads(raw)
         return cls(
             epoch=d["epoch"],
-            seats=tuple(Seat(**s) for s in d["seats"]),
+            seats=tuple(Seat(**_known(Seat, s)) for s in d["seats"]),
             reason=d.get("reason", ""),
             lost=tuple(d.get("lost", ())),
             shrunk_from=d.get("shrunk_from", 0),
@@ -149,12 +156,58 @@ class Progress(_Record):
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+class EventKind(str, Enum):
+    """Every kind of line in a job's timeline (``hotspare events``), and who writes it.
+    A ``str`` enum: the stored form is the plain name, so older readers see no change."""
+
+    SUBMITTED = "submitted"  # CLI / controller --register
+    LEADER = "leader"  # controller took the job's leader key
+    WAITING = "waiting"  # controller: a decision to wait, with its reason
+    PLACED = "placed"  # controller: first world
+    FAILURE = "failure"  # controller: a rank is lost (rank, node, kind, detected, spare)
+    SWAP = "swap"  # controller: lost ranks went to spares
+    SHRINK = "shrink"  # controller: survivors renumbered
+    GROW = "grow"  # controller: seats added back
+    SUCCEEDED = "succeeded"  # controller: final states
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    NODE_JOINED = "node-joined"  # agent registered
+    ASSIGNED = "assigned"  # agent handed a rank to a worker
+    WORKER_EXIT = "worker-exit"  # agent saw a worker exit or hang
+    PERSISTED = "persisted"  # agent's persister completed a checkpoint
+    PERSIST_FAILED = "persist-failed"
+    CHAOS = "chaos"  # whoever injected or executed a failure
+    ETCD_RESTARTED = "etcd-restarted"  # CLI: chaos restart-etcd is over
+    REBUILT = "rebuilt"  # worker: joined an epoch's group
+    RESTORED = "restored"  # worker: restored its state (source, bytes)
+    RESUMED = "resumed"  # worker: completed its first step after a recovery
+    FINISHED = "finished"  # worker: wrote its final state
+    CHECKPOINT_UNUSABLE = "checkpoint-unusable"  # worker: refused a persisted file
+    CORRUPTED = "corrupted"  # worker: chaos corrupt-checkpoint did its damage
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class StateRecord(_Record):
+    """``/hotspare/<job>/state``: where the job is in its life cycle, and why."""
+
+    state: str
+    time: float = 0.0
+    message: str = ""
+
+    @property
+    def job_state(self) -> JobState:
+        return JobState(self.state)
+
+
 @dataclass(frozen=True)
 class Event(_Record):
     """One line of a job's timeline."""
 
     time: float
-    kind: str
+    kind: str  # an EventKind value (kept a str: a newer writer's kind must not break us)
     source: str
     message: str = ""
     data: dict[str, Any] = field(default_factory=dict)

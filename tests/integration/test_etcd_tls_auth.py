@@ -166,7 +166,7 @@ def test_job_runs_with_user_and_password_from_the_spec_and_the_password_is_store
         assert summary["state"] == "succeeded", r.stdout + r.stderr[-4000:]
         assert pw not in r.stdout + r.stderr
         stored = c.job("auth").spec()
-        assert stored["etcd"]["user"] == "trainer" and stored["etcd"]["password"] is None
+        assert stored.etcd.user == "trainer" and stored.etcd.password is None
         kvs, _ = c.store.get_prefix("/")
         assert kvs and not [kv.key for kv in kvs if pw.encode() in kv.value]
         files = [f for f in (tmp_path / "out" / "auth").rglob("*") if f.is_file()] + [tmp_path / "controller.log"]

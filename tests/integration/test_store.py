@@ -66,7 +66,7 @@ def test_unreachable_etcd_raises_store_unavailable(etcd):
 
 
 def _spec(name: str) -> dict:
-    return {"name": name, "ranks": 2, "steps": 10, "spares": 0, "ranks_per_node": 1,
+    return {"name": name, "entrypoint": "train.py:train", "ranks": 2, "steps": 10, "spares": 0, "ranks_per_node": 1,
             "on_no_spare": "wait", "min_ranks": 1, "output_dir": "/tmp", "lease_ttl": 2}
 
 

@@ -1,6 +1,6 @@
 """Unit tests for orchestrator.decide: every branch of the controller policy, no etcd.
 
-Patroni-style: small builders return a :class:`JobSnapshot` (spec dict, nodes ``node0..``
+Patroni-style: small builders return a :class:`JobSnapshot` (a JobSpec, nodes ``node0..``
 with role "active" and ``spare0..`` with role "spare", a world at some epoch), a test edits
 it the way the cluster would (a lease expires, an agent reports), calls ``decide`` and
 checks the action, the new world and the sentence the controller logs.
@@ -8,6 +8,7 @@ checks the action, the new world and the sentence the controller logs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.decide import Decision, Loss, decide, find_losses
+from orchestrator.spec import JobSpec
 from orchestrator.store.job import JobSnapshot
 from orchestrator.store.records import JobState, Node, Report, Seat, World
 
@@ -30,9 +32,10 @@ def make_spec(
     policy: str | None = "wait",
     min_ranks: int = 1,
     steps: int = STEPS,
-) -> dict:
+) -> JobSpec:
     spec = {
         "name": "job",
+        "entrypoint": "train.py:train",
         "ranks": ranks,
         "steps": steps,
         "spares": spares,
@@ -41,7 +44,7 @@ def make_spec(
     }
     if policy is not None:  # None: leave the key out, to see the default
         spec["on_no_spare"] = policy
-    return spec
+    return JobSpec.from_dict(spec)
 
 
 def make_node(
@@ -810,7 +813,7 @@ def test_shrink_below_min_ranks_fails():
 
 def test_shrink_never_leaves_an_empty_world_by_default():
     snap = snapshot_running(ranks=1, spares=0, policy="shrink")
-    snap.spec.pop("min_ranks")
+    snap.spec = dataclasses.replace(snap.spec, min_ranks=JobSpec.min_ranks)  # the default
     lose(snap, "node0")
     d = decide(snap)
     assert d.action == "fail"
@@ -1053,7 +1056,7 @@ def test_every_decision_on_a_running_job_is_consistent(snap):
             else:
                 assert seat == old.seats[r]
     elif d.action == "shrink":
-        assert d.world.size == old.size - len(losses) >= snap.spec["min_ranks"]
+        assert d.world.size == old.size - len(losses) >= snap.spec.min_ranks
         assert d.world.shrunk_from == old.size
     if d.world is not None:  # every seat's state keeps a name of its own
         assert len({d.world.sid(r) for r in range(d.world.size)}) == d.world.size

@@ -1,0 +1,140 @@
+"""The agent <-> worker contract, in one place (torch-free: both sides import it).
+
+* :class:`WorkerEnv` -- the ``HOTSPARE_*`` environment an agent starts a worker with.
+* :class:`Assignment` -- the one JSON line on the worker's stdin that gives it a rank.
+* Exit codes (``EXIT_*``) the agent tells apart, and :func:`fatal_path`, where a worker
+  leaves the reason it cannot go on.
+* :class:`Heartbeat` -- a 64-byte memory-mapped file: no syscall per beat.
+
+Worker -> agent: (state, step, time, pid) at every step and while it waits inside a
+collective or a rendezvous; the agent reads it a few times a second. A SIGSTOPped or
+deadlocked worker stops beating and the agent's watchdog kills it after ``hang_timeout``.
+
+Agent -> worker: ``delay``, seconds the worker sleeps after each step (chaos ``slow-rank``
+delivered without touching the step path's etcd-free rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import mmap
+import os
+import struct
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Exit codes of a worker process.
+EXIT_OK = 0  # finished every step
+EXIT_ERROR = 1  # the training function raised
+EXIT_NO_SPEC = 2  # the job has no spec in etcd (deleted under it)
+EXIT_FENCED = 3  # its rank moved on without it (the world no longer has its seat)
+#: its rank's state cannot be restored from anywhere: reported as a "fatal" loss, and the
+#: controller fails the job with the reason instead of trying spare after spare
+EXIT_UNRECOVERABLE = 4
+
+
+def fatal_path(hb_path: str | Path) -> Path:
+    """Where a worker leaves the reason it cannot go on, for its agent to report."""
+    hb_path = Path(hb_path)
+    return hb_path.with_name(hb_path.name + ".fatal")
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What an agent tells a worker it starts, through ``HOTSPARE_*`` variables."""
+
+    job: str
+    node: str
+    incarnation: str  # the agent's registration when the worker was started
+    hb: str  # heartbeat file
+    log_dir: str
+    snap_dir: str  # the agent's shared-memory run directory (snapshot slots)
+    agent_pid: int = 0
+    threads: int = 1  # torch intra-op threads
+
+    _NAMES = {"job": "HOTSPARE_JOB", "node": "HOTSPARE_NODE", "incarnation": "HOTSPARE_INCARNATION",
+              "hb": "HOTSPARE_HB", "log_dir": "HOTSPARE_LOG_DIR", "snap_dir": "HOTSPARE_SNAP_DIR",
+              "agent_pid": "HOTSPARE_AGENT_PID", "threads": "HOTSPARE_THREADS"}
+
+    def to_env(self) -> dict[str, str]:
+        return {self._NAMES[f.name]: str(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> WorkerEnv:
+        missing = [v for k, v in cls._NAMES.items() if k in ("job", "node", "hb", "log_dir") and v not in env]
+        if missing:
+            raise RuntimeError(f"not started by a hotspare agent: {', '.join(missing)} not set")
+        return cls(
+            job=env["HOTSPARE_JOB"], node=env["HOTSPARE_NODE"],
+            incarnation=env.get("HOTSPARE_INCARNATION", ""), hb=env["HOTSPARE_HB"],
+            log_dir=env["HOTSPARE_LOG_DIR"], snap_dir=env.get("HOTSPARE_SNAP_DIR", ""),
+            agent_pid=int(env.get("HOTSPARE_AGENT_PID", "0")),
+            threads=int(env.get("HOTSPARE_THREADS", "1")),
+        )
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The line an agent writes to a warm worker's stdin: which seat it now holds.
+
+    ``incarnation`` is the agent's registration at the time of the assignment (it may be
+    newer than the worker's start), ``sid`` the seat's state id."""
+
+    rank: int
+    epoch: int
+    sid: int
+    incarnation: str = ""
+
+    def to_line(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode() + b"\n"
+
+    @classmethod
+    def from_line(cls, line: str | bytes) -> Assignment:
+        d = json.loads(line)
+        return cls(rank=int(d["rank"]), epoch=int(d["epoch"]),
+                   sid=int(d["rank"] if d.get("sid") is None else d["sid"]),
+                   incarnation=d.get("incarnation") or "")
+
+_BEAT = "<qqdq"  # state, step, beat time (unix), pid            [0, 32)
+SIZE = 64
+
+STARTING, WARM, RUNNING, FINISHED = 0, 1, 2, 3
+STATE_NAMES = {STARTING: "starting", WARM: "warm", RUNNING: "running", FINISHED: "finished"}
+
+
+class Heartbeat:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.exists() or self.path.stat().st_size < SIZE:
+            with open(self.path, "wb") as f:
+                f.write(struct.pack(_BEAT, STARTING, -1, 0.0, 0).ljust(SIZE, b"\0"))
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        self._state = STARTING
+
+    def beat(self, step: int, state: int | None = None) -> None:
+        if state is not None:
+            self._state = state
+        struct.pack_into(_BEAT, self._mm, 0, self._state, step, time.time(), os.getpid())
+
+    def read(self) -> tuple[int, int, float, int]:
+        return struct.unpack_from(_BEAT, self._mm, 0)
+
+    # -- agent -> worker ------------------------------------------------------------------
+    def set_delay(self, seconds: float) -> None:
+        struct.pack_into("<d", self._mm, 32, float(seconds))
+
+    def delay(self) -> float:
+        return struct.unpack_from("<d", self._mm, 32)[0]
+
+    def close(self) -> None:
+        try:
+            self._mm.close()
+        except (BufferError, ValueError):
+            pass
