@@ -1,4 +1,4 @@
-"""The agent's persister: flushes replication points of its local ranks to the persistent tier.
+"""The agent's persister: flushes replication points of its local seats to the persistent tier.
 
 Runs in the agent, not in the training process: the worker only ever writes its snapshot
 into host memory (``/dev/shm``), so persisting costs training nothing but memory bandwidth
@@ -11,108 +11,112 @@ point out of schedule.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from orchestrator.spec import JobSpec
+from orchestrator.store import EventKind
+from orchestrator.util import PeriodicWorker
 from recovery import persist
-from recovery.slotfile import COMPLETE, WRITING, slot_ctrl
+from recovery.slotfile import COMPLETE, WRITING, SlotDir, slot_ctrl
+
+from .node_view import NodeView
 
 log = logging.getLogger("hotspare.persist")
 
 
-class Persister:
+class Persister(PeriodicWorker):
+    """Writes the wanted points of this node's seats to the persistent tier, one thread.
+
+    It reads the agent's state only through the published :class:`NodeView` (``view``):
+    which seats are local (sid -> rank), the world size, and the step ``hotspare
+    checkpoint`` asked for."""
+
     def __init__(
         self,
         run_dir: Path,
-        spec: dict,
+        spec: JobSpec,
         *,
         job: str,
-        local_ranks: Callable[[], dict[int, int]],  # sid (names the slot files) -> current rank
-        world: Callable[[], tuple[int, int]],  # (epoch, world size)
-        requested: Callable[[], int | None],
+        view: Callable[[], NodeView],
         event: Callable[..., None],
         interval: float = 0.02,
     ) -> None:
+        super().__init__("persister", interval)
         self.run_dir = run_dir
+        self.slots = SlotDir(run_dir)
         self.every = spec.persist_every
         self.root = spec.persist_root
         self.local_dir = spec.persist_local_dir
         self.keep = spec.persist_keep
+        self._points = spec.replication_enabled
         self.job = job
-        self.local_ranks = local_ranks
-        self.world = world
-        self.requested = requested
+        self.view = view
         self.event = event
-        self.interval = interval
-        self.done: dict[int, int] = {}  # sid -> newest step persisted (or given up on)
-        self.failed: dict[int, str] = {}
+        self.done: dict[int, tuple[int, int]] = {}  # sid -> newest (timeline, step) persisted (or given up on)
         self._settled: dict[Path, int] = {}  # point slot -> seq of the write nothing is left to do for
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="persister", daemon=True)
 
     @property
     def enabled(self) -> bool:
-        return self.every > 0
+        """Whether there is anything to persist: a point is what gets persisted, so none
+        without replication. Not ``persist_every > 0``: with it 0, ``hotspare checkpoint``
+        still asks for one."""
+        return self._points
 
-    def start(self) -> Persister:
-        self._thread.start()
-        return self
+    def stop(self, join: float = 5.0) -> None:
+        super().stop(join)  # longer than a replication round: a file may be mid-write
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def wanted(self, step: int) -> bool:
+    def wanted(self, step: int, requested: int | None) -> bool:
         if step <= 0:
             return False
-        req = self.requested()
-        return (self.every > 0 and step % self.every == 0) or (req is not None and step == req)
+        return (self.every > 0 and step % self.every == 0) or (requested is not None and step == requested)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.persist_once()
-            except Exception:  # noqa: BLE001 - persisting is best effort, never fatal
-                log.exception("persist round failed")
+    def once(self) -> None:
+        self.persist_once()
 
     def persist_once(self) -> None:
-        for sid, rank in sorted(self.local_ranks().items()):
-            # polled often (a late start delays the checkpoint): first only the 64-byte control
-            # blocks; a slot's header is read only for a wanted step not yet dealt with
-            paths = [p for k in range(2)
-                     if (c := slot_ctrl(p := self.run_dir / f"rank{sid}.point{k}"))
-                     and c[0] in (WRITING, COMPLETE) and self.wanted(c[1]) and self._settled.get(p) != c[2]]
-            # a point still being copied counts: the writer streams it as the copy goes on
-            views = [v for p in paths if (v := persist.open_slot(p, writing=True))]
-            try:
-                for view in sorted(views, key=lambda v: -int(v.header["step"])):
-                    step = int(view.header["step"])
-                    # a step computed again after a rollback is a new (timeline, step): persisted
-                    # again, never mixed with the files of its first computation
-                    key = (int(view.header.get("timeline", 0)), step)
-                    if key <= self.done.get(sid, (-1, -1)):
-                        self._settled[view.path] = view.seq  # nothing left to do for this write
-                        continue
-                    if step in persist.complete_steps(self.root):
-                        self.done[sid] = key  # complete already: never rewrite it
-                    else:
-                        self._persist(view, sid, rank, key)
-                    if key <= self.done.get(sid, (-1, -1)):
-                        self._settled[view.path] = view.seq
-                    break  # the newest wanted point only
-            finally:
-                for v in views:
-                    v.close()
+        view = self.view()
+        for sid, rank in sorted(view.seats.items()):
+            self._persist_newest(sid, rank, view)
 
-    def _persist(self, view: persist.SlotView, sid: int, rank: int, key: tuple[int, int]) -> None:
+    def _persist_newest(self, sid: int, rank: int, view: NodeView) -> None:
+        """Persist the newest wanted point of ``sid`` not yet dealt with, if any."""
+        # polled often (a late start delays the checkpoint): first only the 64-byte control
+        # blocks; a slot's header is read only for a wanted step not yet dealt with
+        paths = [p for p in self.slots.points(sid)
+                 if (c := slot_ctrl(p)) and c[0] in (WRITING, COMPLETE)
+                 and self.wanted(c[1], view.checkpoint) and self._settled.get(p) != c[2]]
+        # a point still being copied counts: the writer streams it as the copy goes on
+        views = [v for p in paths if (v := persist.open_slot(p, writing=True))]
+        try:
+            for slot in sorted(views, key=lambda v: -int(v.header["step"])):
+                step = int(slot.header["step"])
+                # a step computed again after a rollback is a new (timeline, step): persisted
+                # again, never mixed with the files of its first computation
+                key = (int(slot.header.get("timeline", 0)), step)
+                if key <= self.done.get(sid, (-1, -1)):
+                    self._settled[slot.path] = slot.seq  # nothing left to do for this write
+                    continue
+                if step in persist.complete_steps(self.root):
+                    self.done[sid] = key  # complete already: never rewrite it
+                else:
+                    self._persist(slot, sid, rank, key, view.world_size)
+                if key <= self.done.get(sid, (-1, -1)):
+                    self._settled[slot.path] = slot.seq
+                break  # the newest wanted point only
+        finally:
+            for v in views:
+                v.close()
+
+    def _persist(self, slot: persist.SlotView, sid: int, rank: int, key: tuple[int, int],
+                 world_size: int) -> None:
         timeline, step = key
         # the rank and world size the state belongs to, as the worker wrote them with it
         # (the agent's current assignment may already be a newer epoch's)
-        rank = int(view.header.get("world_rank", rank))
-        size = int(view.header.get("world_size") or self.world()[1])
+        rank = int(slot.header.get("world_rank", rank))
+        size = int(slot.header.get("world_size") or world_size)
         try:
-            rec = persist.write_rank(view, self.root, rank=rank, job=self.job, timeline=timeline,
+            rec = persist.write_rank(slot, self.root, rank=rank, job=self.job, timeline=timeline,
                                      world_size=size, local_dir=self.local_dir)
         except InterruptedError as e:
             log.info("%s; next point", e)
@@ -129,11 +133,11 @@ class Persister:
                    f"{getattr(e, 'strerror', None) or e}); "
                    + (f"the previous checkpoint (step {prev[-1]}) is intact" if prev else "no earlier checkpoint exists"))
             log.error(msg)
-            self.event("persist-failed", msg, rank=rank, step=step, error=str(e))
+            self.event(EventKind.PERSIST_FAILED, msg, rank=rank, step=step, error=str(e))
             return
         self.done[sid] = key
         log.info("persisted rank %d step %d: %d bytes in %.3fs", rank, step, rec["bytes"], rec["write_s"])
         if persist.try_finish(self.root, step, size, self.job):
             removed = persist.prune(self.root, self.keep)
-            self.event("persisted", f"checkpoint of step {step} complete in {self.root}", step=step,
+            self.event(EventKind.PERSISTED, f"checkpoint of step {step} complete in {self.root}", step=step,
                        path=str(persist.checkpoint_path(self.root, step)), removed=removed)

@@ -1,14 +1,18 @@
 """Peer replicas: each agent serves and stores snapshots for its job, off the step path.
 
-* :class:`ReplicaServer` answers ``list`` (which steps of a rank do you hold?), ``get``
-  (send me rank r at step s) and ``put`` (keep this replica) over authenticated,
+* :class:`ReplicaStore` -- the snapshots on this node: its workers' slot files (named by
+  :class:`recovery.slotfile.SlotDir`) and the replicas its buddies pushed to it.
+* :class:`ReplicaServer` answers ``list`` (which steps of a sid do you hold?), ``get``
+  (send me sid s at step n) and ``put`` (keep this replica) over authenticated,
   checksummed frames (:mod:`recovery.wire`). It serves the snapshot slots its own workers
-  wrote — also those of a worker that crashed: they live in shared memory — and the
-  replicas its buddies pushed to it.
-* :class:`Replicator` watches this node's slot files and pushes every newly completed
-  snapshot to the ``replicas`` next nodes in ring order. It always sends the newest
-  complete snapshot: if the link is slower than training, intermediate steps are skipped,
-  never queued.
+  wrote -- also those of a worker that crashed: they live in shared memory -- and the
+  replicas its buddies pushed to it. The client side is :mod:`recovery.replica_client`.
+* :class:`Replicator` watches this node's point slots and pushes every newly completed
+  point to the ``replicas`` next nodes in ring order, then confirms it to the worker. It
+  always sends the newest complete point: if the link is slower than training,
+  intermediate points are skipped, never queued.
+
+Protocol ``HSP1`` calls the state id ``"rank"`` on the wire; in this module it is a sid.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import re
 import socketserver
 import threading
@@ -23,87 +28,103 @@ import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
+from orchestrator.util import PeriodicWorker
 from recovery.replica_client import fetch, fetch_first, list_steps  # noqa: F401 - re-exported (deprecated here)
-from recovery.slotfile import COMPLETE, read_slot, slot_ctrl, slot_steps, write_confirmation
+from recovery.slotfile import (
+    COMPLETE,
+    SlotDir,
+    read_slot,
+    slot_ctrl,
+    slot_steps,
+    write_confirmation,
+)
 from recovery.wire import Channel, WireError, checksums, validate_snapshot
+
+from .node_view import Buddy, NodeView
 
 log = logging.getLogger("hotspare.replica")
 
-KEEP = 3  # replicas kept per rank
-_SLOT = re.compile(r"^rank(\d+)\.(slot|point)(\d+)$")
+KEEP = 3  # replicas kept per sid
 _REPLICA = re.compile(r"^replica-rank(\d+)-step(-?\d+)\.bin$")
 
 
 class ReplicaStore:
-    """Snapshots on this node: local worker slots plus replicas pushed by peers."""
+    """Snapshots on this node: local worker slots plus replicas pushed by peers.
+
+    Every method takes a *sid* (the seat's state id: the name of the slot files), never a
+    rank: after a shrink renumbers ranks, ``rank5.point0`` still belongs to sid 5."""
 
     def __init__(self, directory: Path) -> None:
         self.dir = directory
+        self.slots = SlotDir(directory)
 
-    def steps(self, rank: int) -> dict[int, str]:
+    def replica_path(self, sid: int, step: int) -> Path:
+        """Where a peer's replica of ``sid`` at ``step`` is kept."""
+        return self.dir / f"replica-rank{sid}-step{step}.bin"
+
+    def steps(self, sid: int) -> dict[int, str]:
         """step -> where (``slot``, ``point`` or ``replica``) for every complete snapshot
-        of ``rank`` on this node."""
+        of ``sid`` on this node."""
         out: dict[int, str] = {}
         for p in self.dir.iterdir():
-            m = _SLOT.match(p.name)
-            if m and int(m.group(1)) == rank:
+            parsed = SlotDir.parse(p.name)
+            if parsed and parsed[0] == sid:
                 st = slot_steps(p)
                 if st and st[0] == COMPLETE:
-                    out[st[1]] = m.group(2)
+                    out[st[1]] = parsed[1]
             m = _REPLICA.match(p.name)
-            if m and int(m.group(1)) == rank:
+            if m and int(m.group(1)) == sid:
                 out.setdefault(int(m.group(2)), "replica")
         return out
 
-    def points(self, rank: int) -> list[tuple[int, int]]:
-        """(step, seq) of each complete replication point of a local rank: reads two 64-byte
+    def points(self, sid: int) -> list[tuple[int, int]]:
+        """(step, seq) of each complete replication point of a local sid: reads two 64-byte
         control blocks, no directory listing (this runs 20 times a second)."""
-        return [(c[1], c[2]) for k in range(2)
-                if (c := slot_ctrl(self.dir / f"rank{rank}.point{k}")) and c[0] == COMPLETE]
+        return [(c[1], c[2]) for p in self.slots.points(sid) if (c := slot_ctrl(p)) and c[0] == COMPLETE]
 
-    def newest_point(self, rank: int, ignore: Collection[int] = ()) -> tuple[int, int] | None:
-        """The newest of ``points(rank)`` whose seq is not in ``ignore``."""
-        mine = [p for p in self.points(rank) if p[1] not in ignore]
+    def newest_point(self, sid: int, ignore: Collection[int] = ()) -> tuple[int, int] | None:
+        """The newest of ``points(sid)`` whose seq is not in ``ignore``."""
+        mine = [p for p in self.points(sid) if p[1] not in ignore]
         return max(mine) if mine else None
 
-    def load(self, rank: int, step: int, seq: int | None = None) -> tuple[dict, bytes] | None:
-        """Header (with checksums) and body of rank's snapshot at step (and of that write,
+    def load(self, sid: int, step: int, seq: int | None = None) -> tuple[dict, bytes] | None:
+        """Header (with checksums) and body of sid's snapshot at step (and of that write,
         if ``seq`` is given), or None."""
-        for p in sorted(self.dir.glob(f"rank{rank}.*")):
-            if not _SLOT.match(p.name):
-                continue
+        for p in self.slots.files(sid):
             got = read_slot(p)
             if got and got[0]["step"] == step and seq in (None, got[2]):
                 header, data, _ = got
                 header = dict(header, crc=checksums(header["tensors"], data))
                 return header, bytes(data)
-        p = self.dir / f"replica-rank{rank}-step{step}.bin"
         try:
-            raw = p.read_bytes()
+            raw = self.replica_path(sid, step).read_bytes()
         except FileNotFoundError:
             return None
         hlen = int.from_bytes(raw[:8], "little")
         return json.loads(raw[8 : 8 + hlen]), raw[8 + hlen :]
 
-    def confirm(self, rank: int, step: int, seq: int | None = None) -> None:
-        """Tell rank's worker that its point ``step`` (the write ``seq``; default: the one
+    def confirm(self, sid: int, step: int, seq: int | None = None) -> None:
+        """Tell sid's worker that its point ``step`` (the write ``seq``; default: the one
         in its point slots now) is safely replicated."""
         if seq is None:
-            seq = next((q for s, q in self.points(rank) if s == step), 0)
-        write_confirmation(self.dir / f"rank{rank}.replicated", step, seq)
+            seq = next((q for s, q in self.points(sid) if s == step), 0)
+        write_confirmation(self.slots.confirmation(sid), step, seq)
 
     def save(self, header: dict, body: bytes) -> None:
-        rank, step = int(header["rank"]), int(header["step"])
+        """Keep a peer's replica (``header["rank"]`` is its sid: the wire's name for it).
+        Written in pieces, not through :func:`orchestrator.util.atomic_write`, so that a
+        large body is never copied once more in memory; shared memory needs no fsync."""
+        sid, step = int(header["rank"]), int(header["step"])
         hb = json.dumps(header, separators=(",", ":")).encode()
-        tmp = self.dir / f".tmp-replica-{rank}-{os.getpid()}-{threading.get_ident()}"
+        tmp = self.dir / f".tmp-replica-{sid}-{os.getpid()}-{threading.get_ident()}"
         with open(tmp, "wb") as f:
             f.write(len(hb).to_bytes(8, "little"))
             f.write(hb)
             f.write(body)
-        os.replace(tmp, self.dir / f"replica-rank{rank}-step{step}.bin")
-        reps = sorted(s for s, where in self.steps(rank).items() if where == "replica")
+        os.replace(tmp, self.replica_path(sid, step))
+        reps = sorted(s for s, where in self.steps(sid).items() if where == "replica")
         for old in reps[:-KEEP]:
-            (self.dir / f"replica-rank{rank}-step{old}.bin").unlink(missing_ok=True)
+            self.replica_path(sid, old).unlink(missing_ok=True)
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -163,23 +184,23 @@ class ReplicaServer:
     def answer(self, header: dict, body: bytes) -> tuple[dict, bytes]:
         op = header.get("op")
         try:
-            rank = int(header.get("rank", -1))
+            sid = int(header.get("rank", -1))  # HSP1's name for the sid
             if op == "list":
-                return {"ok": True, "steps": sorted(self.store.steps(rank))}, b""
+                return {"ok": True, "steps": sorted(self.store.steps(sid))}, b""
             if op == "get":
-                got = self.store.load(rank, int(header["step"]))
-                if got is None:
-                    return {"ok": False, "error": f"no snapshot of rank {rank} at step {header['step']}"}, b""
+                got = self.store.load(sid, int(header["step"]))
+                if got is None:  # "rank" in the text: what peers of HSP1 have always read
+                    return {"ok": False, "error": f"no snapshot of rank {sid} at step {header['step']}"}, b""
                 h, data = got
                 return {"ok": True, "snapshot": h}, data
             if op == "put":
-                if rank < 0:
-                    raise WireError(f"put for invalid rank {rank}")
+                if sid < 0:
+                    raise WireError(f"put for invalid rank {sid}")
                 snap = header.get("snapshot")
                 if not isinstance(snap, dict) or not isinstance(snap.get("step"), int):
                     raise WireError("put without a snapshot header")
                 validate_snapshot(snap, body)
-                self.store.save(dict(snap, rank=rank), body)
+                self.store.save(dict(snap, rank=sid), body)
                 return {"ok": True}, b""
         except (WireError, KeyError, ValueError, TypeError) as e:
             log.warning("rejected %s request: %s", op, e)
@@ -187,95 +208,100 @@ class ReplicaServer:
         return {"ok": False, "error": f"unknown op {op!r}"}, b""
 
 
-class Replicator:
-    """Push each new complete local snapshot to this node's ring buddies."""
+class Replicator(PeriodicWorker):
+    """Push each new complete local point to this node's ring buddies, then confirm it.
+
+    Its bookkeeping (``sent``, ``confirmed``, ``stale``) belongs to its own thread: the
+    agent's thread reads nothing of it and changes it only through :meth:`forget`, which
+    posts to a queue the next round drains."""
 
     def __init__(
         self,
         store: ReplicaStore,
         secret: bytes,
-        buddies: Callable[[], list[tuple[str, str, int]]],
-        local_ranks: Callable[[], set[int]],
+        view: Callable[[], NodeView],
         interval: float = 0.05,
     ) -> None:
+        super().__init__("replicator", interval)
         self.store = store
         self.secret = secret
-        self.buddies = buddies
-        self.local_ranks = local_ranks
-        self.interval = interval
-        # a point is one write, (step, seq): a new worker of a rank writes the same step again
-        self.sent: dict[tuple[int, str], tuple[int, int]] = {}  # (rank, buddy) -> newest point sent
-        self.confirmed: dict[int, tuple[int, int]] = {}  # rank -> newest point confirmed to its worker
-        # rank -> seqs of points an earlier worker of the rank left here: still served to
+        self.view = view
+        # a point is one write, (step, seq): a new worker of a sid writes the same step again
+        self.sent: dict[tuple[int, str], tuple[int, int]] = {}  # (sid, buddy) -> newest point sent
+        self.confirmed: dict[int, tuple[int, int]] = {}  # sid -> newest point confirmed to its worker
+        # sid -> seqs of points an earlier worker of the sid left here: still served to
         # peers (they are valid state), never confirmed to the new worker as its own
         self.stale: dict[int, set[int]] = {}
+        self._forgotten: queue.SimpleQueue[tuple[int, set[int]]] = queue.SimpleQueue()
         self._channels: dict[str, Channel] = {}
-        self._stop = threading.Event()
-        self.paused = False
-        self._thread = threading.Thread(target=self._run, name="replicator", daemon=True)
+        self.paused = False  # chaos: a partitioned node pushes nothing
         self.bytes_sent = 0
 
-    def start(self) -> Replicator:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(2)
+    def stop(self, join: float = 2.0) -> None:
+        super().stop(join)
         for ch in self._channels.values():
             ch.close()
 
-    def forget(self, rank: int) -> None:
-        """A new worker took ``rank`` here: start its replication bookkeeping afresh."""
-        self.confirmed.pop(rank, None)
-        for key in [k for k in self.sent if k[0] == rank]:
-            del self.sent[key]
-        self.stale[rank] = {seq for _, seq in self.store.points(rank)}
+    def forget(self, sid: int) -> None:
+        """A new worker took seat ``sid`` here: start its replication bookkeeping afresh.
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        Runs on the agent's thread, so it only posts the request. The points the earlier
+        worker left are read now, before the new worker can write one of its own."""
+        self._forgotten.put((sid, {seq for _, seq in self.store.points(sid)}))
+
+    def _apply_forgotten(self) -> None:
+        while True:
             try:
-                self.push_once()
-            except Exception:  # noqa: BLE001 - replication is best effort, never fatal
-                log.exception("replication round failed")
+                sid, stale = self._forgotten.get_nowait()
+            except queue.Empty:
+                return
+            self.confirmed.pop(sid, None)
+            for key in [k for k in self.sent if k[0] == sid]:
+                del self.sent[key]
+            self.stale[sid] = stale
+
+    def once(self) -> None:
+        self.push_once()
 
     def push_once(self) -> None:
+        view = self.view()
+        # drained after the view is read: a seat the view holds was forgotten before the
+        # agent published it, so its fresh start is never missed
+        self._apply_forgotten()
         if self.paused:
             return
-        buddies = self.buddies()
-        for rank in self.local_ranks():
-            newest = self.store.newest_point(rank, ignore=self.stale.get(rank, ()))
-            if newest is None:
-                continue
-            if not buddies:  # nobody to replicate to (one node): do not hold training back
-                if self.confirmed.get(rank) != newest:
-                    self.store.confirm(rank, *newest)
-                    self.confirmed[rank] = newest
-                continue
-            todo = [b for b in buddies if self.sent.get((rank, b[0])) != newest]
+        for sid in view.sids:
+            self._push(sid, view.buddies)
+
+    def _push(self, sid: int, buddies: tuple[Buddy, ...]) -> None:
+        newest = self.store.newest_point(sid, ignore=self.stale.get(sid, ()))
+        if newest is None:
+            return
+        if buddies:  # else nobody to replicate to (one node): do not hold training back
+            todo = [b for b in buddies if self.sent.get((sid, b[0])) != newest]
             if todo:
-                got = self.store.load(rank, *newest)
+                got = self.store.load(sid, *newest)
                 if got is None:
-                    continue  # overwritten while reading; next round
+                    return  # overwritten while reading; next round
                 header, body = got
                 for name, host, port in todo:
-                    if self._send(name, host, port, rank, header, body):
-                        self.sent[(rank, name)] = newest
-            if all(self.sent.get((rank, b[0])) == newest for b in buddies):
-                if self.confirmed.get(rank) != newest:
-                    self.store.confirm(rank, *newest)
-                    self.confirmed[rank] = newest
+                    if self._send(name, host, port, sid, header, body):
+                        self.sent[(sid, name)] = newest
+            if not all(self.sent.get((sid, b[0])) == newest for b in buddies):
+                return
+        if self.confirmed.get(sid) != newest:
+            self.store.confirm(sid, *newest)
+            self.confirmed[sid] = newest
 
-    def _send(self, name: str, host: str, port: int, rank: int, header: dict, body: bytes) -> bool:
+    def _send(self, name: str, host: str, port: int, sid: int, header: dict, body: bytes) -> bool:
         try:
             ch = self._channels.get(name)
             if ch is None:
                 ch = self._channels[name] = Channel.client(host, port, self.secret, timeout=10)
-            ch.send({"op": "put", "rank": rank, "snapshot": header}, body)
+            ch.send({"op": "put", "rank": sid, "snapshot": header}, body)
             reply, _ = ch.recv()
             if not reply.get("ok"):
-                log.warning("replica of rank %d step %s refused by %s: %s", rank, header["step"], name, reply.get("error"))
+                log.warning("replica of sid %d step %s refused by %s: %s", sid, header["step"], name, reply.get("error"))
                 return False
             self.bytes_sent += len(body)
             return True

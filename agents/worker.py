@@ -1,12 +1,17 @@
 """A worker process: warm first, then one rank of the job until it finishes or dies.
 
-Started by its agent before any rank is known. It connects to etcd, imports torch and
-the job's entrypoint, marks itself warm, and blocks on one JSON line on stdin — the
-assignment ``{"rank": r, "epoch": e, "sid": s, "incarnation": i}`` (the agent's registration at the
-time of the assignment, which may be newer than the worker). That warm start is what makes a swap fast: the
-spare's interpreter, torch and the user's module are already loaded.
+Started by its agent (``python -m agents.worker``) before any rank is known, with the
+environment of :class:`agents.worker_link.WorkerEnv`. It connects to etcd, imports torch and
+the job's entrypoint, marks itself warm, and blocks on one line on stdin: the
+:class:`~agents.worker_link.Assignment` ``{"rank", "epoch", "sid", "incarnation"}`` (the
+agent's registration at the time of the assignment, which may be newer than the worker).
+That warm start is what makes a swap fast: the spare's interpreter, torch and the user's
+module are already loaded.
 
-Exit codes: 0 finished, 1 the training function raised, 3 fenced (rank taken away).
+Exit codes (:mod:`agents.worker_link`): 0 finished (or left before an assignment), 1 the
+training function raised, 2 the job has no spec in etcd, 3 fenced (its rank moved on
+without it), 4 unrecoverable (its state is gone everywhere; the reason is left in
+:func:`~agents.worker_link.fatal_path` for the agent to report).
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import importlib
 import importlib.util
-import json
 import logging
 import os
 import signal
@@ -22,8 +26,30 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .heartbeat import FINISHED, RUNNING, WARM, Heartbeat
+from orchestrator.store import JobStore, Store
+
+from .worker_link import (
+    EXIT_ERROR,
+    EXIT_FENCED,
+    EXIT_NO_SPEC,
+    EXIT_OK,
+    EXIT_UNRECOVERABLE,
+    FINISHED,
+    RUNNING,
+    WARM,
+    Assignment,
+    Heartbeat,
+    WorkerEnv,
+    fatal_path,
+)
+
+if TYPE_CHECKING:
+    from orchestrator.spec import JobSpec
+    from recovery.session import Session
+
+__all__ = ["EXIT_FENCED", "EXIT_UNRECOVERABLE", "fatal_path", "load_entrypoint", "main", "prewarm_torch"]
 
 
 def die_with_parent() -> None:
@@ -33,18 +59,6 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-
-
-#: exit codes the agent tells apart: a fenced worker (its rank moved on without it) and one
-#: whose rank's state cannot be restored from anywhere (reported as a "fatal" loss: the
-#: controller fails the job with the reason instead of trying spare after spare)
-EXIT_FENCED = 3
-EXIT_UNRECOVERABLE = 4
-
-
-def fatal_path(hb_path: Path) -> Path:
-    """Where a worker leaves the reason it cannot go on, for its agent to report."""
-    return hb_path.with_name(hb_path.name + ".fatal")
 
 
 def load_entrypoint(entrypoint: str) -> Callable:
@@ -79,63 +93,48 @@ def prewarm_torch() -> None:
     torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 
 
-def main() -> int:
-    die_with_parent()
-    env = os.environ
-    job, node = env["HOTSPARE_JOB"], env["HOTSPARE_NODE"]
-    log_dir = Path(env["HOTSPARE_LOG_DIR"])
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s %(levelname)s [{job} {node} pid{os.getpid()}] %(name)s: %(message)s",
-    )
-    hb = Heartbeat(env["HOTSPARE_HB"])
-
+def warm_up(env: WorkerEnv, hb: Heartbeat) -> tuple[Store, JobSpec, Callable] | None:
+    """Pay every cost a swap would otherwise pay after the failure: torch, etcd, the job's
+    module and its own ``warmup``. None if the job has no spec (deleted under us)."""
     import torch  # the expensive part of warming up
 
-    from orchestrator.store import JobStore
-    from recovery.session import Fenced, Session, Unrecoverable
+    import recovery.session  # noqa: F401 - the training library too, loaded before the assignment
 
-    from .agent import store_from_env
-
-    torch.set_num_threads(int(env.get("HOTSPARE_THREADS", "1")))
-    store = store_from_env()
-    spec = JobStore(store, job).spec()
+    torch.set_num_threads(env.threads)
+    store = Store.from_env()
+    spec = JobStore(store, env.job).spec()
     if spec is None:
-        print(f"job {job} has no spec in etcd", file=sys.stderr)
-        return 2
+        print(f"job {env.job} has no spec in etcd", file=sys.stderr)
+        return None
     fn = load_entrypoint(spec.entrypoint)
     prewarm_torch()
     warm = getattr(sys.modules.get(fn.__module__), "warmup", None)
     if callable(warm):  # the job's own warm-up (load data, build caches) before any rank
         warm(**spec.args)
     hb.beat(-1, WARM)
+    return store, spec, fn
 
+
+def wait_for_assignment() -> Assignment | None:
+    """Block until the agent gives us a seat; None if it went away or asked us to leave."""
     line = sys.stdin.readline()
-    if not line.strip():
-        return 0  # agent went away or asked us to leave before an assignment
-    assign = json.loads(line)
-    rank, epoch = int(assign["rank"]), int(assign["epoch"])
+    return Assignment.from_line(line) if line.strip() else None
+
+
+def redirect_output(log_dir: Path, rank: int, node: str) -> None:
+    """From here on everything the rank prints goes to its own log, ``rank<r>.log``."""
     out = open(log_dir / f"rank{rank}.log", "ab", buffering=0)
     os.dup2(out.fileno(), 1)
     os.dup2(out.fileno(), 2)
     logging.getLogger().handlers[0].setFormatter(
         logging.Formatter(f"%(asctime)s %(levelname)s [rank{rank} {node} pid{os.getpid()}] %(message)s")
     )
-    logging.info("assigned rank %d at epoch %d", rank, epoch)
-    hb.beat(-1, RUNNING)
-    session = Session(
-        store=store,
-        job=job,
-        spec=spec,
-        rank=rank,
-        sid=assign.get("sid"),
-        epoch=epoch,
-        node=node,
-        incarnation=assign.get("incarnation") or env["HOTSPARE_INCARNATION"],
-        beat=lambda step: hb.beat(step),
-        agent_pid=int(env.get("HOTSPARE_AGENT_PID", "0")),
-        delay=hb.delay,
-    )
+
+
+def run(fn: Callable, session: Session, spec: JobSpec, hb: Heartbeat) -> int:
+    """Run the training function; map how it ended to the exit code the agent reads."""
+    from recovery.session import Fenced, Unrecoverable
+
     try:
         fn(session, **spec.args)
     except Fenced as f:
@@ -150,10 +149,48 @@ def main() -> int:
         return EXIT_UNRECOVERABLE
     except Exception:
         traceback.print_exc()
-        return 1
+        return EXIT_ERROR
     hb.beat(session.committed, FINISHED)
     logging.info("finished")
-    return 0
+    return EXIT_OK
+
+
+def main() -> int:
+    die_with_parent()
+    env = WorkerEnv.from_env(os.environ)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s [{env.job} {env.node} pid{os.getpid()}] %(name)s: %(message)s",
+    )
+    hb = Heartbeat(env.hb)
+    warm = warm_up(env, hb)
+    if warm is None:
+        return EXIT_NO_SPEC
+    store, spec, fn = warm
+    a = wait_for_assignment()
+    if a is None:
+        return EXIT_OK
+    redirect_output(Path(env.log_dir), a.rank, env.node)
+    logging.info("assigned rank %d at epoch %d", a.rank, a.epoch)
+    hb.beat(-1, RUNNING)
+    from recovery.session import Session
+
+    session = Session(
+        store=store,
+        job=env.job,
+        spec=spec,
+        rank=a.rank,
+        sid=a.sid,
+        epoch=a.epoch,
+        node=env.node,
+        incarnation=a.incarnation or env.incarnation,
+        beat=lambda step: hb.beat(step),
+        agent_pid=env.agent_pid,
+        delay=hb.delay,
+        snap_dir=Path(env.snap_dir) if env.snap_dir else None,
+        snapshot_delay=float(os.environ.get("HOTSPARE_TEST_SNAPSHOT_DELAY") or 0),  # tests widen a window
+    )
+    return run(fn, session, spec, hb)
 
 
 if __name__ == "__main__":

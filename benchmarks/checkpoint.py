@@ -173,10 +173,14 @@ PERSISTER = """
 import sys, threading
 sys.path.insert(0, '.')
 from pathlib import Path
+from agents.node_view import NodeView
 from agents.persist import Persister
-p = Persister(Path(sys.argv[1]), {"persist_every": 10, "persist_path": sys.argv[2], "output_dir": sys.argv[2],
-              "persist_keep": 1}, job="bench", local_ranks=lambda: {0: 0}, world=lambda: (1, 1),
-              requested=lambda: None, event=lambda *a, **k: None).start()  # the agent's own settings
+from orchestrator.spec import JobSpec
+spec = JobSpec(name="bench", entrypoint="x:y", ranks=1, steps=1, persist_every=10,
+               persist_path=sys.argv[2], output_dir=sys.argv[2], persist_keep=1)
+view = NodeView(epoch=1, world_size=1, seats={0: 0})
+p = Persister(Path(sys.argv[1]), spec, job="bench", view=lambda: view,
+              event=lambda *a, **k: None).start()  # the agent's own settings
 sys.stdin.read()
 p.stop()
 """

@@ -123,7 +123,7 @@ class BenchCluster:
         self.env["PYTHONPATH"] = str(REPO) + (os.pathsep + pp if pp else "")
         self.procs: list[subprocess.Popen] = []
         self.jobs: list[str] = []
-        self.controller = self._spawn("controller", "--ttl", str(controller_ttl), log="controller.log")
+        self.controller = self._spawn("controller", "--leader-ttl", str(controller_ttl), log="controller.log")
 
     def _spawn(self, *args: str, log: str) -> subprocess.Popen:
         with open(self.tmp / log, "ab") as f:

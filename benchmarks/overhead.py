@@ -67,13 +67,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def replicator_main(snap_dir: str) -> int:
     """Serve as this rank's node agent: push points from ``snap_dir`` to a buddy and confirm
     them. Prints the buddy port, runs until stdin closes, then prints what it shipped."""
+    from agents.node_view import NodeView
     from agents.replica import ReplicaServer, ReplicaStore, Replicator
 
     secret = os.urandom(32)
     buddy_dir = Path(tempfile.mkdtemp(prefix="hotspare-bench-buddy-", dir=shm_base()))
     server = ReplicaServer(ReplicaStore(buddy_dir), secret).start()
-    rep = Replicator(ReplicaStore(Path(snap_dir)), secret,
-                     buddies=lambda: [("buddy", "127.0.0.1", server.port)], local_ranks=lambda: {0}).start()
+    view = NodeView(epoch=1, world_size=1, buddies=(("buddy", "127.0.0.1", server.port),), seats={0: 0})
+    rep = Replicator(ReplicaStore(Path(snap_dir)), secret, view=lambda: view).start()
     print(json.dumps({"port": server.port}), flush=True)
     sys.stdin.read()
     rep.stop()

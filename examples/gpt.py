@@ -303,7 +303,7 @@ class SampleLog:
     through shrinks and grows."""
 
     def __init__(self, session) -> None:
-        d = Path(session.spec["output_dir"]) / "samples"
+        d = Path(session.spec.output_dir) / "samples"
         d.mkdir(parents=True, exist_ok=True)
         self.session = session
         self.fd = os.open(d / f"{session.node}-{os.getpid()}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND)

@@ -1,8 +1,8 @@
 """The controller: leader election and a reconcile loop around :func:`decide`.
 
-Like Patroni's HA loop: read the job at one revision, call the pure ``decide``, apply the
-decision in one transaction fenced on (a) the epoch key's revision we read and (b) our
-leadership, then log the decision's sentence. A stale controller, or one that lost its
+Like Patroni's HA loop: read the job at one revision, call the pure ``decide``, log the
+decision's sentence (when it changes) and apply it through :class:`JobStore`'s verbs in one
+transaction fenced on (a) the epoch key's revision we read and (b) our leadership. A stale controller, or one that lost its
 lease, can never write a world. A standby controller takes a job over once the leader's
 key expires (one lease TTL).
 """
@@ -15,19 +15,22 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
-from .decide import Decision, decide
+from . import chaos
+from .decide import Action, Decision, decide
 from .store import (
     CONTROLLER,
-    Compare,
-    EventKind,
+    Event,
     JobSnapshot,
+    JobState,
     JobStore,
+    Lease,
     LeaseLost,
-    StateRecord,
     Store,
     StoreError,
     StoreUnavailable,
+    events,
     list_jobs,
 )
 
@@ -51,14 +54,15 @@ class Controller:
         self.only_job = job
         self.ident = ident or f"{socket.gethostname()}:{os.getpid()}"
         self.interval = interval
-        self._lease = None
+        self._lease: Lease | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._said: dict[str, str] = {}  # job -> last decision sentence (log on change)
+        self._said: dict[str, str] = {}  # job -> last decision sentence logged (log on change)
+        self._waiting: dict[str, str] = {}  # job -> last wait reason written as an event
         self._finished: set[str] = set()
 
     # -- leadership -----------------------------------------------------------------------
-    def _ensure_lease(self):
+    def _ensure_lease(self) -> Lease:
         if self._lease is None or self._lease.lost.is_set():
             self._lease = self.store.lease(self.ttl)
         return self._lease
@@ -68,7 +72,7 @@ class Controller:
         leading, took = js.try_lead(self.ident, self._ensure_lease())
         if took:
             log.info("leading job %s as %s", js.job, self.ident)
-            js.event(EventKind.LEADER, self.ident, f"controller {self.ident} leads", controller=self.ident)
+            js.put_event(events.leader(self.ident))
         return leading
 
     def stop(self) -> None:
@@ -116,13 +120,8 @@ class Controller:
             return None
         if not self.lead(js):
             return None
-        if snap.chaos.get(CONTROLLER_NODE):
-            for cmd in js.take_chaos(CONTROLLER_NODE):
-                if cmd.get("action") == "kill-controller":
-                    js.event("chaos", self.ident, f"kill-controller: leader {self.ident} dies",
-                             action="kill-controller", controller=self.ident)
-                    log.warning("chaos: kill-controller; dying now")
-                    os.kill(os.getpid(), signal.SIGKILL)
+        if snap.chaos.get(CONTROLLER):
+            self._chaos(js)
         decision = decide(snap)
         if self._said.get(job) != decision.reason:
             self._said[job] = decision.reason
@@ -130,74 +129,71 @@ class Controller:
         self.apply(js, snap, decision)
         return decision
 
-    # -- applying -------------------------------------------------------------------------
-    def _fence(self, js: JobStore, snap: JobSnapshot) -> list[Compare]:
-        epoch_guard = (
-            Compare(js.keys.epoch, "mod", "==", snap.epoch_mod)
-            if snap.epoch_mod
-            else Compare(js.keys.epoch, "create", "==", 0)
-        )
-        return [epoch_guard, Compare(js.keys.leader, "value", "==", self.ident.encode())]
+    def _chaos(self, js: JobStore) -> None:
+        """Carry out the chaos commands sent to the leader controller (kill-controller: die
+        at once, like a crashed machine, so that a standby takes over)."""
+        for cmd in js.take_chaos(CONTROLLER):
+            action = chaos.ACTIONS.get(cmd.get("action", ""))
+            if action is None or action.executor is not chaos.Executor.CONTROLLER:
+                continue
+            js.put_event(events.chaos(self.ident, f"{action.name}: leader {self.ident} dies",
+                                      action.name, controller=self.ident))
+            log.warning("chaos: %s; dying now", action.name)
+            os.kill(os.getpid(), signal.SIGKILL)
 
+    # -- applying -------------------------------------------------------------------------
     def apply(self, js: JobStore, snap: JobSnapshot, d: Decision) -> bool:
-        now = time.time()
-        reports = [js.keys.report(n, r) for n, r in d.clear_reports]
-        if d.action in ("none", "wait"):
-            if reports:
-                try:
-                    self.store.txn(self._fence(js, snap), deletes=reports)
-                except StoreError:
-                    pass
-            if d.action == "wait" and self._said.get(job_wait := f"wait:{js.job}") != d.reason:
-                self._said[job_wait] = d.reason
-                js.event("waiting", "controller", d.reason)
+        """Carry out ``d`` in etcd, fenced on ``snap`` and our leadership. False when the
+        store refused it (the state moved on, or we no longer lead): the next cycle re-reads."""
+        if d.action in (Action.NONE, Action.WAIT):
+            self._clear(js, snap, d)
+            if d.action is Action.WAIT and self._waiting.get(js.job) != d.reason:
+                self._waiting[js.job] = d.reason
+                js.put_event(events.waiting(d.reason))
             return True
         if d.world is not None:
-            puts = {
-                js.keys.epoch: str(d.world.epoch),
-                js.keys.world(d.world.epoch): d.world.to_json(),
-            }
-            if d.action == "place":
-                puts[js.keys.state] = StateRecord("running", now).to_json()
-            ok = self.store.txn(self._fence(js, snap), puts=puts, deletes=reports)
-            if not ok:
-                log.info("[%s] decision lost a race (state changed); will re-read", js.job)
-                return False
-            self._events_for(js, d, now)
-            return True
+            return self._commit_world(js, snap, d)
         state = d.final_state
         if state is not None:
-            ok = js.set_state(state, d.reason, leader=self.ident, clear_reports=reports)
+            ok = js.set_state(state, d.reason, leader=self.ident, clear_reports=d.clear_reports)
             if ok:
-                js.event(state.value, "controller", d.reason)
+                js.put_event(events.final(state.value, d.reason))
                 self._finished.add(js.job)
             return ok
         return False
 
-    def _events_for(self, js: JobStore, d: Decision, now: float) -> None:
+    def _clear(self, js: JobStore, snap: JobSnapshot, d: Decision) -> None:
+        """Stale reports go without a new world; a failed delete is retried next cycle."""
+        try:
+            js.clear_reports(snap, d.clear_reports, leader=self.ident)
+        except StoreError:
+            pass
+
+    def _commit_world(self, js: JobStore, snap: JobSnapshot, d: Decision) -> bool:
         assert d.world is not None
-        if d.action == "place":
-            js.event("placed", "controller", d.reason, epoch=d.world.epoch,
-                     seats=[s.node for s in d.world.seats])
+        now = time.time()
+        ok = js.commit_decision(
+            snap, d.world, leader=self.ident, clear_reports=d.clear_reports,
+            state=JobState.RUNNING if d.action is Action.PLACE else None,
+        )
+        if not ok:
+            log.info("[%s] decision lost a race (state changed); will re-read", js.job)
+            return False
+        for ev in self._events_for(d, now):
+            js.put_event(ev)
+        return True
+
+    @staticmethod
+    def _events_for(d: Decision, now: float) -> Iterator[Event]:
+        """What the timeline needs about a new world: the failures it handles (each with
+        when it was seen), then the decision made at ``now``. A generator: each event is
+        stamped as it is written."""
+        assert d.world is not None
+        if d.action is Action.PLACE:
+            yield events.placed(d.reason, d.world.epoch, [s.node for s in d.world.seats])
             return
         for i, lo in enumerate(d.losses):
-            js.event(
-                "failure",
-                "controller",
-                f"rank {lo.rank} on {lo.node}: {lo.detail}",
-                rank=lo.rank,
-                node=lo.node,
-                kind=lo.kind,
-                epoch=d.world.epoch,
-                spare=d.spares[i] if i < len(d.spares) else None,
-                detected=lo.detected or now,
-            )
-        js.event(
-            d.action,
-            "controller",
-            d.reason,
-            epoch=d.world.epoch,
-            lost=list(d.world.lost),
-            spares=list(d.spares),
-            decided=now,
-        )
+            yield events.failure(lo.rank, lo.node, lo.kind, lo.detail, d.world.epoch,
+                                 d.spares[i] if i < len(d.spares) else None, lo.detected or now)
+        yield events.decided(d.action, d.reason, d.world.epoch, list(d.world.lost),
+                             list(d.spares), now)

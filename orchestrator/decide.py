@@ -4,15 +4,56 @@ No etcd, no clocks, no I/O: the controller reads a :class:`JobSnapshot`, calls
 :func:`decide`, and applies what comes back in one fenced transaction. Every branch is
 unit-tested without a server (tests/unit/test_decide.py). ``str(decision)`` is the
 sentence the controller logs.
+
+A running job is one situation at a time, each a function that returns its decision with
+its sentence (Patroni's ``process_*`` style): the job finished (:func:`_succeed`), nothing
+is lost (:func:`_healthy_or_grow`), a loss nobody can recover from (:func:`_fail_fatal`),
+losses a spare can take (:func:`_swap`), and losses no spare can take
+(:func:`_on_no_spare`, which applies the spec's ``on_no_spare`` policy).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 from .spec import JobSpec
+from .status import straggler_scores  # noqa: F401 - also importable from here, as before
 from .store.job import JobSnapshot
-from .store.records import JobState, Node, Seat, World
+from .store.records import JobState, Node, Report, Seat, World
+
+
+class Action(str, Enum):
+    """What a decision does. A ``str`` enum, so ``d.action == "swap"`` holds and it is
+    written to events and logs as its plain name."""
+
+    NONE = "none"  # nothing to do (may still clear stale reports)
+    WAIT = "wait"  # something is missing (nodes, capacity, a spare); try again later
+    PLACE = "place"  # the first world
+    SWAP = "swap"  # lost ranks go to spare capacity; the world keeps its size
+    SHRINK = "shrink"  # lost ranks are dropped; survivors are renumbered
+    GROW = "grow"  # a shrunk world takes seats back on warm free workers
+    SUCCEED = "succeed"  # final states
+    FAIL = "fail"
+    CANCEL = "cancel"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class LossKind(str, Enum):
+    """Why a rank must be replaced. The agents' report kinds (``exit``, ``hang``, ``fatal``)
+    are values of it; ``str`` so it compares and serialises as the plain name."""
+
+    EXIT = "exit"  # the worker process exited or was killed
+    HANG = "hang"  # no heartbeat: the agent's watchdog killed it
+    NODE_LOSS = "node-loss"  # the node's lease expired, or its agent restarted
+    STRAGGLER = "straggler"  # too slow (on_straggler: replace)
+    FATAL = "fatal"  # its state is gone everywhere: no spare can bring it back
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -21,19 +62,22 @@ class Loss:
 
     rank: int
     node: str
-    kind: str  # "exit", "hang", "node-loss", "straggler", "fatal" (its state is gone everywhere)
+    kind: LossKind | str  # a LossKind; a report kind from a newer agent stays a plain str
     detail: str = ""
     detected: float = 0.0  # when an agent saw it (0: seen now, by the controller)
 
 
 @dataclass(frozen=True)
 class Decision:
-    action: str  # none | wait | place | swap | shrink | grow | succeed | fail | cancel
+    action: Action  # a plain string is accepted and converted
     reason: str
     world: World | None = None
     losses: tuple[Loss, ...] = ()
     spares: tuple[str, ...] = ()  # node chosen for each loss, same order (swap); new seats (grow)
     clear_reports: tuple[tuple[str, int], ...] = field(default=())  # handled or stale reports
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "action", Action(self.action))
 
     def __str__(self) -> str:
         return self.reason
@@ -44,11 +88,16 @@ class Decision:
 
     @property
     def final_state(self) -> JobState | None:
-        return {
-            "succeed": JobState.SUCCEEDED,
-            "fail": JobState.FAILED,
-            "cancel": JobState.CANCELLED,
-        }.get(self.action)
+        return _FINAL_STATES.get(self.action)
+
+
+_FINAL_STATES = {
+    Action.SUCCEED: JobState.SUCCEEDED,
+    Action.FAIL: JobState.FAILED,
+    Action.CANCEL: JobState.CANCELLED,
+}
+
+ReportRefs = tuple[tuple[str, int], ...]  # (node, rank) of the reports a decision clears
 
 
 def _plural(n: int, word: str) -> str:
@@ -58,11 +107,11 @@ def _plural(n: int, word: str) -> str:
 def decide(obs: JobSnapshot) -> Decision:
     spec = obs.spec
     if spec is None:
-        return Decision("none", f"job {obs.job}: no spec (not submitted)")
+        return Decision(Action.NONE, f"job {obs.job}: no spec (not submitted)")
     if obs.state.terminal:
-        return Decision("none", f"job {obs.job} is {obs.state.value}: nothing to do")
+        return Decision(Action.NONE, f"job {obs.job} is {obs.state.value}: nothing to do")
     if obs.cancel:
-        return Decision("cancel", f"job {obs.job} cancelled on request")
+        return Decision(Action.CANCEL, f"job {obs.job} cancelled on request")
     if obs.world is None:
         return _place(obs, spec)
     return _reconcile(obs, spec, obs.world)
@@ -76,7 +125,7 @@ def _place(obs: JobSnapshot, spec: JobSpec) -> Decision:
     active = [n for n in nodes if n.role == "active"]
     if len(active) < needed and len(nodes) < needed + spares:
         return Decision(
-            "wait",
+            Action.WAIT,
             f"waiting for nodes: {len(active)} of {needed} active nodes registered"
             f" ({len(nodes)} in all, {needed + spares} expected)",
         )
@@ -87,20 +136,20 @@ def _place(obs: JobSnapshot, spec: JobSpec) -> Decision:
                 seats.append(Seat(node=n.name, incarnation=n.incarnation, since=1))
     if len(seats) < ranks:
         return Decision(
-            "wait", f"waiting for capacity: {len(seats)} of {ranks} rank slots on live nodes"
+            Action.WAIT, f"waiting for capacity: {len(seats)} of {ranks} rank slots on live nodes"
         )
     world = World(epoch=1, seats=tuple(seats), reason="initial placement")
     used = sorted({s.node for s in seats})
     idle = [n.name for n in nodes if n.name not in used]
     return Decision(
-        "place",
+        Action.PLACE,
         f"placing {_plural(ranks, 'rank')} on {', '.join(used)}"
         + (f"; spares: {', '.join(idle)}" if idle else "; no spare node registered"),
         world=world,
     )
 
 
-# -- running job ------------------------------------------------------------------------
+# -- what is lost -----------------------------------------------------------------------
 def find_losses(obs: JobSnapshot, world: World) -> tuple[list[Loss], list[tuple[str, int]]]:
     """Ranks of ``world`` that are gone, and reports that no longer matter (stale)."""
     losses: dict[int, Loss] = {}
@@ -109,9 +158,9 @@ def find_losses(obs: JobSnapshot, world: World) -> tuple[list[Loss], list[tuple[
             continue
         node = obs.nodes.get(seat.node)
         if node is None:
-            losses[r] = Loss(r, seat.node, "node-loss", f"node {seat.node} lost its lease")
+            losses[r] = Loss(r, seat.node, LossKind.NODE_LOSS, f"node {seat.node} lost its lease")
         elif node.incarnation != seat.incarnation:
-            losses[r] = Loss(r, seat.node, "node-loss", f"agent on {seat.node} restarted")
+            losses[r] = Loss(r, seat.node, LossKind.NODE_LOSS, f"agent on {seat.node} restarted")
     stale: list[tuple[str, int]] = []
     for rep in obs.reports:
         seat = world.seats[rep.rank] if 0 <= rep.rank < world.size else None
@@ -119,33 +168,26 @@ def find_losses(obs: JobSnapshot, world: World) -> tuple[list[Loss], list[tuple[
             stale.append((rep.node, rep.rank))
             continue
         if rep.rank not in losses:
-            how = f"signal {rep.signal}" if rep.signal else f"exit code {rep.exit_code}"
-            detail = rep.message or (
-                "worker hung (no heartbeat), killed" if rep.kind == "hang" else f"worker died ({how})"
-            )
-            losses[rep.rank] = Loss(rep.rank, rep.node, rep.kind, detail, rep.time)
+            losses[rep.rank] = _reported_loss(rep)
     return [losses[r] for r in sorted(losses)], stale
 
 
-def straggler_scores(obs: JobSnapshot, world: World) -> dict[int, float]:
-    """Each rank's compute time per step (outside collectives) over the median of all
-    ranks. In synchronous training every rank's *step* time is the slowest rank's, so
-    only the compute share tells who makes the others wait."""
-    times = {
-        r: p.compute_time
-        for r, p in obs.progress.items()
-        if r < world.size and p.epoch >= world.seats[r].since and p.compute_time > 0
-    }
-    if len(times) < max(2, world.size // 2 + 1):
-        return {}
-    ordered = sorted(times.values())
-    median = ordered[len(ordered) // 2]
-    return {r: t / median for r, t in times.items()} if median > 0 else {}
+def _reported_loss(rep: Report) -> Loss:
+    how = f"signal {rep.signal}" if rep.signal else f"exit code {rep.exit_code}"
+    detail = rep.message or (
+        "worker hung (no heartbeat), killed" if rep.kind == "hang" else f"worker died ({how})"
+    )
+    try:
+        kind: LossKind | str = LossKind(rep.kind)
+    except ValueError:  # a kind a newer agent knows: handled like any other loss
+        kind = rep.kind
+    return Loss(rep.rank, rep.node, kind, detail, rep.time)
 
 
 def stragglers(obs: JobSnapshot, world: World, threshold: float) -> list[Loss]:
     return [
-        Loss(r, world.seats[r].node, "straggler", f"straggler: {score:.1f}x the median compute time per step")
+        Loss(r, world.seats[r].node, LossKind.STRAGGLER,
+             f"straggler: {score:.1f}x the median compute time per step")
         for r, score in sorted(straggler_scores(obs, world).items())
         if score >= threshold
     ]
@@ -156,129 +198,140 @@ def _finished(obs: JobSnapshot, rank: int, seat: Seat) -> bool:
     return d is not None and d.get("epoch", 0) >= seat.since
 
 
+# -- running job: one function per situation ---------------------------------------------
 def _reconcile(obs: JobSnapshot, spec: JobSpec, world: World) -> Decision:
     # A rank marks itself done only after the final barrier completed, which needs every
     # rank to have finished its last step: one done rank means the job is complete, even
     # if another rank dies before it could write its own mark.
-    finished = [r for r, s in enumerate(world.seats) if _finished(obs, r, s)]
-    if finished:
-        return Decision(
-            "succeed",
-            f"all {_plural(world.size, 'rank')} finished {spec.steps} steps",
-            clear_reports=tuple((rep.node, rep.rank) for rep in obs.reports),
-        )
+    if any(_finished(obs, r, s) for r, s in enumerate(world.seats)):
+        return _succeed(obs, spec, world)
     losses, stale = find_losses(obs, world)
     if not losses and spec.on_straggler == "replace":
-        slow = stragglers(obs, world, spec.straggler_threshold)
-        if slow and _choose_spares(obs, world, slow, {lo.node for lo in slow}, {lo.rank for lo in slow}):
-            losses = slow  # replace them like failures; without a spare they are only reported
+        losses = _replaceable_stragglers(obs, spec, world)
     if not losses:
-        grow = _grow(obs, spec, world, tuple(stale))
-        if grow is not None:
-            return grow
-        short = spec.ranks - world.size
-        return Decision(
-            "none",
-            f"epoch {world.epoch}: {_plural(world.size, 'rank')} healthy"
-            + (f" ({short} below ranks={spec.ranks}; growing back once a warm worker is free)"
-               if short > 0 else ""),
-            clear_reports=tuple(stale),
-        )
-
+        return _healthy_or_grow(obs, spec, world, tuple(stale))
     handled = tuple(stale) + tuple((lo.node, lo.rank) for lo in losses)
-    fatal = [lo for lo in losses if lo.kind == "fatal"]
-    if fatal:  # every member hit it: a spare would only restore nothing again
-        return Decision(
-            "fail",
-            "; ".join(f"rank {lo.rank} on {lo.node}: {lo.detail}" for lo in fatal)
-            + "; the job cannot continue from any copy of its state",
-            losses=tuple(losses),
-            clear_reports=handled,
-        )
-    failed_nodes = {lo.node for lo in losses}
-    lost_ranks = {lo.rank for lo in losses}
-    chosen = _choose_spares(obs, world, losses, failed_nodes, lost_ranks)
-    what = "; ".join(f"rank {lo.rank} on {lo.node}: {lo.detail}" for lo in losses)
+    if any(lo.kind == LossKind.FATAL for lo in losses):
+        return _fail_fatal(losses, handled)
+    chosen = _choose_spares(obs, world, losses)
     if chosen is not None:
-        seats = list(world.seats)
-        for lo, name in zip(losses, chosen, strict=True):
-            seats[lo.rank] = Seat(name, obs.nodes[name].incarnation, world.epoch + 1,
-                                  _sid(world, lo.rank, lo.rank))  # the spare restores the lost state
-        new = World(
-            epoch=world.epoch + 1,
-            seats=tuple(seats),
-            reason=what,
-            lost=tuple(sorted(lost_ranks)),
-        )
-        moves = ", ".join(f"rank {lo.rank} -> {n}" for lo, n in zip(losses, chosen, strict=True))
-        return Decision(
-            "swap",
-            f"{what}; swapping in spare ({moves}) at epoch {new.epoch}",
-            world=new,
-            losses=tuple(losses),
-            spares=tuple(chosen),
-            clear_reports=handled,
-        )
+        return _swap(obs, world, losses, chosen, handled)
+    return _on_no_spare(obs, spec, world, losses, handled)
 
-    policy = spec.on_no_spare
-    free = _free_capacity(obs, world, failed_nodes, lost_ranks)
-    have = sum(free.values())
-    short = f"{what}; no spare left ({have} free slot(s) for {len(losses)} lost rank(s))"
-    if policy == "fail":
-        return Decision(
-            "fail",
+
+def _succeed(obs: JobSnapshot, spec: JobSpec, world: World) -> Decision:
+    return Decision(
+        Action.SUCCEED,
+        f"all {_plural(world.size, 'rank')} finished {spec.steps} steps",
+        clear_reports=tuple((rep.node, rep.rank) for rep in obs.reports),
+    )
+
+
+def _replaceable_stragglers(obs: JobSnapshot, spec: JobSpec, world: World) -> list[Loss]:
+    """Stragglers are replaced like failures, but only when spares can take them all:
+    without one they are only reported (``hotspare status``), never shrunk away."""
+    slow = stragglers(obs, world, spec.straggler_threshold)
+    return slow if slow and _choose_spares(obs, world, slow) is not None else []
+
+
+def _healthy_or_grow(obs: JobSnapshot, spec: JobSpec, world: World, stale: ReportRefs) -> Decision:
+    grow = _grow(obs, spec, world, stale)
+    if grow is not None:
+        return grow
+    short = spec.ranks - world.size
+    return Decision(
+        Action.NONE,
+        f"epoch {world.epoch}: {_plural(world.size, 'rank')} healthy"
+        + (f" ({short} below ranks={spec.ranks}; growing back once a warm worker is free)"
+           if short > 0 else ""),
+        clear_reports=stale,
+    )
+
+
+def _fail_fatal(losses: list[Loss], handled: ReportRefs) -> Decision:
+    """Every member hit it: a spare would only restore nothing again."""
+    fatal = [lo for lo in losses if lo.kind == LossKind.FATAL]
+    return _fail(f"{_what(fatal)}; the job cannot continue from any copy of its state",
+                 losses, handled)
+
+
+def _swap(
+    obs: JobSnapshot, world: World, losses: list[Loss], chosen: list[str], handled: ReportRefs
+) -> Decision:
+    seats = list(world.seats)
+    for lo, name in zip(losses, chosen, strict=True):
+        seats[lo.rank] = Seat(name, obs.nodes[name].incarnation, world.epoch + 1,
+                              _sid(world, lo.rank, lo.rank))  # the spare restores the lost state
+    what = _what(losses)
+    moves = ", ".join(f"rank {lo.rank} -> {n}" for lo, n in zip(losses, chosen, strict=True))
+    return _next_world(
+        Action.SWAP, world, seats,
+        f"{what}; swapping in spare ({moves}) at epoch {world.epoch + 1}",
+        reason=what, lost=_lost_ranks(losses), losses=losses, spares=chosen, clear_reports=handled,
+    )
+
+
+def _on_no_spare(
+    obs: JobSnapshot, spec: JobSpec, world: World, losses: list[Loss], handled: ReportRefs
+) -> Decision:
+    """No spare capacity for every loss: the spec's ``on_no_spare`` policy decides."""
+    free = _free_capacity(obs, world, {lo.node for lo in losses}, set(_lost_ranks(losses)))
+    short = (f"{_what(losses)}; no spare left ({sum(free.values())} free slot(s) for "
+             f"{len(losses)} lost rank(s))")
+    if spec.on_no_spare == "fail":
+        return _fail(
             f"{short}; on_no_spare=fail, so the job fails. Add spare nodes (spares: N) or use "
             "on_no_spare: wait|shrink to keep it alive",
-            losses=tuple(losses),
-            clear_reports=handled,
+            losses,
+            handled,
         )
-    if policy == "shrink":
-        survivors = [s for r, s in enumerate(world.seats) if r not in lost_ranks]
-        min_ranks = spec.min_ranks
-        if len(survivors) < min_ranks:
-            return Decision(
-                "fail",
-                f"{short}; shrinking would leave {len(survivors)} rank(s) < min_ranks={min_ranks}",
-                losses=tuple(losses),
-                clear_reports=handled,
-            )
-        # a survivor whose rank number changes holds a new rank from the new epoch on, so
-        # reports about the old holder of that number are recognised as stale
-        first_lost = min(lost_ranks)
-        kept = [r for r in range(world.size) if r not in lost_ranks]
-        seats = tuple(
-            Seat(s.node, s.incarnation, s.since if i < first_lost else world.epoch + 1,
-                 _sid(world, old, i))  # a renumbered survivor keeps its state's name
-            for i, (old, s) in enumerate(zip(kept, survivors, strict=True))
-        )
-        new = World(
-            epoch=world.epoch + 1,
-            seats=seats,
-            reason=what,
-            lost=tuple(sorted(lost_ranks)),
-            shrunk_from=world.size,
-        )
-        return Decision(
-            "shrink",
-            f"{short}; shrinking to {_plural(new.size, 'rank')} at epoch {new.epoch}",
-            world=new,
-            losses=tuple(losses),
-            clear_reports=handled,
-        )
+    if spec.on_no_spare == "shrink":
+        return _shrink(spec, world, losses, short, handled)
+    return _wait(short, losses)
+
+
+def _fail(sentence: str, losses: list[Loss], handled: ReportRefs) -> Decision:
+    return Decision(Action.FAIL, sentence, losses=tuple(losses), clear_reports=handled)
+
+
+def _wait(short: str, losses: list[Loss]) -> Decision:
+    """The reports stay: the losses are handled once a spare node joins."""
     return Decision(
-        "wait",
+        Action.WAIT,
         f"{short}; waiting for a spare node to join (on_no_spare=wait)",
         losses=tuple(losses),
     )
 
 
-def _sid(world: World, old_rank: int, new_rank: int) -> int:
-    """The sid a seat moving from ``old_rank`` to ``new_rank`` keeps (-1: equal to the rank)."""
-    sid = world.sid(old_rank)
-    return -1 if sid == new_rank else sid
+def _shrink(
+    spec: JobSpec, world: World, losses: list[Loss], short: str, handled: ReportRefs
+) -> Decision:
+    lost = _lost_ranks(losses)
+    kept = [r for r in range(world.size) if r not in lost]
+    if len(kept) < spec.min_ranks:
+        return _fail(
+            f"{short}; shrinking would leave {len(kept)} rank(s) < min_ranks={spec.min_ranks}",
+            losses,
+            handled,
+        )
+    # a survivor whose rank number changes holds a new rank from the new epoch on, so
+    # reports about the old holder of that number are recognised as stale
+    first_lost = min(lost)
+    seats = [
+        Seat(world.seats[old].node, world.seats[old].incarnation,
+             world.seats[old].since if new < first_lost else world.epoch + 1,
+             _sid(world, old, new))  # a renumbered survivor keeps its state's name
+        for new, old in enumerate(kept)
+    ]
+    return _next_world(
+        Action.SHRINK, world, seats,
+        f"{short}; shrinking to {_plural(len(seats), 'rank')} at epoch {world.epoch + 1}",
+        reason=_what(losses), lost=lost, shrunk_from=world.size, losses=losses,
+        clear_reports=handled,
+    )
 
 
-def _grow(obs: JobSnapshot, spec: JobSpec, world: World, stale: tuple) -> Decision | None:
+def _grow(obs: JobSnapshot, spec: JobSpec, world: World, stale: ReportRefs) -> Decision | None:
     """A healthy world below ``ranks`` (after a shrink) grows back onto warm free workers.
 
     Only warm workers are taken, so the members wait for the newcomers' rendezvous, not
@@ -289,43 +342,60 @@ def _grow(obs: JobSnapshot, spec: JobSpec, world: World, stale: tuple) -> Decisi
     missing = spec.ranks - world.size
     if missing <= 0:
         return None
-    free = _free_capacity(obs, world, set(), set())
-    warm = {name: obs.nodes[name].warm for name in free}
-    chosen: list[str] = []
-    for _ in range(missing):
-        cands = sorted(
-            (obs.nodes[n] for n, f in free.items() if f > 0 and warm[n] > 0),
-            key=lambda n: (n.role != "spare", -free[n.name], n.name),
-        )
-        if not cands:
-            break
-        pick = cands[0].name
-        free[pick] -= 1
-        warm[pick] -= 1
-        chosen.append(pick)
+    chosen = _pick(obs, _free_capacity(obs, world, set(), set()), missing, warm_only=True)
     if not chosen:
         return None
     epoch = world.epoch + 1
-    new_seats = tuple(
+    new_seats = [
         # unique for the job's life: initial sids are < ranks, and each epoch has its own range
         Seat(name, obs.nodes[name].incarnation, epoch, epoch * spec.ranks + i)
         for i, name in enumerate(chosen)
-    )
-    new = World(
-        epoch=epoch,
-        seats=world.seats + new_seats,
-        reason=f"growing back towards {spec.ranks} ranks",
-        grown_from=world.size,
-    )
+    ]
+    size = world.size + len(chosen)
     moves = ", ".join(f"rank {world.size + i} -> {n}" for i, n in enumerate(chosen))
-    return Decision(
-        "grow",
+    return _next_world(
+        Action.GROW, world, list(world.seats) + new_seats,
         f"epoch {world.epoch}: {_plural(world.size, 'rank')} of {spec.ranks}; growing to "
-        f"{_plural(new.size, 'rank')} ({moves}) at epoch {epoch}",
-        world=new,
-        spares=tuple(chosen),
-        clear_reports=stale,
+        f"{_plural(size, 'rank')} ({moves}) at epoch {epoch}",
+        reason=f"growing back towards {spec.ranks} ranks", grown_from=world.size,
+        spares=chosen, clear_reports=stale,
     )
+
+
+# -- helpers ----------------------------------------------------------------------------
+def _next_world(
+    action: Action,
+    world: World,
+    seats: Sequence[Seat],
+    sentence: str,
+    *,
+    reason: str,
+    lost: tuple[int, ...] = (),
+    shrunk_from: int = 0,
+    grown_from: int = 0,
+    losses: Iterable[Loss] = (),
+    spares: Iterable[str] = (),
+    clear_reports: ReportRefs = (),
+) -> Decision:
+    """A decision that writes the world of the next epoch (swap, shrink, grow)."""
+    new = World(epoch=world.epoch + 1, seats=tuple(seats), reason=reason, lost=lost,
+                shrunk_from=shrunk_from, grown_from=grown_from)
+    return Decision(action, sentence, world=new, losses=tuple(losses), spares=tuple(spares),
+                    clear_reports=clear_reports)
+
+
+def _what(losses: Iterable[Loss]) -> str:
+    return "; ".join(f"rank {lo.rank} on {lo.node}: {lo.detail}" for lo in losses)
+
+
+def _lost_ranks(losses: Iterable[Loss]) -> tuple[int, ...]:
+    return tuple(sorted({lo.rank for lo in losses}))
+
+
+def _sid(world: World, old_rank: int, new_rank: int) -> int:
+    """The sid a seat moving from ``old_rank`` to ``new_rank`` keeps (-1: equal to the rank)."""
+    sid = world.sid(old_rank)
+    return -1 if sid == new_rank else sid
 
 
 def _free_capacity(
@@ -342,28 +412,30 @@ def _free_capacity(
     }
 
 
-def _choose_spares(
-    obs: JobSnapshot,
-    world: World,
-    losses: list[Loss],
-    failed_nodes: set[str],
-    lost_ranks: set[int],
-) -> list[str] | None:
-    """One node per loss, never a failed node; prefer spare-role, warm, emptier nodes."""
-    free = _free_capacity(obs, world, failed_nodes, lost_ranks)
+def _choose_spares(obs: JobSnapshot, world: World, losses: list[Loss]) -> list[str] | None:
+    """One node per loss, never a failed node; None unless every loss gets one."""
+    free = _free_capacity(obs, world, {lo.node for lo in losses}, {lo.rank for lo in losses})
+    chosen = _pick(obs, free, len(losses), warm_only=False)
+    return chosen if len(chosen) == len(losses) else None
 
+
+def _pick(obs: JobSnapshot, free: dict[str, int], count: int, *, warm_only: bool) -> list[str]:
+    """Up to ``count`` nodes, one free slot at a time, greedily: spare-role first, then warm
+    (a warm worker skips the interpreter start), then the emptiest, then by name. A node
+    picked twice must have two free slots; each pick takes one of its warm workers.
+    ``warm_only`` considers only nodes with a warm worker left. ``free`` is used up."""
     warm = {name: obs.nodes[name].warm for name in free}
-
-    def rank_key(n: Node) -> tuple:
-        return (n.role != "spare", warm[n.name] <= 0, -free.get(n.name, 0), n.name)
-
     chosen: list[str] = []
-    for _ in losses:
-        cands = sorted((obs.nodes[name] for name, f in free.items() if f > 0), key=rank_key)
+    for _ in range(count):
+        cands = [obs.nodes[n] for n, f in free.items() if f > 0 and (warm[n] > 0 or not warm_only)]
         if not cands:
-            return None
-        pick = cands[0].name
+            break
+        pick = min(cands, key=lambda n: _preference(n, free, warm)).name
         free[pick] -= 1
-        warm[pick] -= 1  # its warm worker is taken by this pick
+        warm[pick] -= 1
         chosen.append(pick)
     return chosen
+
+
+def _preference(n: Node, free: dict[str, int], warm: dict[str, int]) -> tuple:
+    return (n.role != "spare", warm[n.name] <= 0, -free[n.name], n.name)

@@ -11,10 +11,16 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .etcd_server import EtcdServer, free_port, pid_alive, stop_pid
+from .etcd_server import EtcdServer, free_port, stop_pid
+from .util import atomic_write, pid_alive
+
+#: The embedded controller's leader lease TTL (``hotspare controller --leader-ttl``): how
+#: long a standby waits before it takes over. Not the spec's ``lease_ttl`` (node agents).
+LEADER_TTL = 3.0
 
 
 def default_state_dir() -> Path:
@@ -38,6 +44,11 @@ def _file(state_dir: Path) -> Path:
     return state_dir / "cluster.json"
 
 
+def _save(state_dir: Path, c: Cluster) -> None:
+    # whole or absent: a half-written record would read as "no cluster up" and start a second
+    atomic_write(_file(state_dir), json.dumps(asdict(c)), fsync=False, mode=0o666)
+
+
 def load(state_dir: Path) -> Cluster | None:
     """The running embedded cluster, or None if none is up (stale records are ignored)."""
     f = _file(state_dir)
@@ -50,35 +61,34 @@ def load(state_dir: Path) -> Cluster | None:
     return c if pid_alive(c.etcd_pid) else None
 
 
-def start_controller(endpoint: str, state_dir: Path, ttl: float = 3.0) -> int:
-    log = open(state_dir / "controller.log", "ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "controller", "--etcd", endpoint, "--ttl", str(ttl)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+def start_controller(endpoint: str, state_dir: Path, leader_ttl: float = LEADER_TTL) -> int:
+    """A controller daemon for every job in the embedded etcd; returns its pid."""
+    cmd = [sys.executable, "-m", "orchestrator.cli", "controller", "--etcd", endpoint,
+           "--leader-ttl", str(leader_ttl)]
+    with open(state_dir / "controller.log", "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
     return proc.pid
 
 
-def ensure_controller(state_dir: Path, log=print) -> None:
+def ensure_controller(state_dir: Path, log: Callable[[str], object] = print) -> None:
     """Restart the embedded controller if it died (the supervisor a real cluster would
     have). Leaves a down etcd alone: it may be down on purpose (chaos restart-etcd)."""
     c = load(state_dir)
     if c is not None and not pid_alive(c.controller_pid):
         c.controller_pid = start_controller(c.endpoint, state_dir)
-        _file(state_dir).write_text(json.dumps(asdict(c)))
+        _save(state_dir, c)
         log(f"embedded controller was down; restarted it (pid {c.controller_pid})")
 
 
-def up(state_dir: Path, log=print) -> Cluster:
+def up(state_dir: Path, log: Callable[[str], object] = print) -> Cluster:
+    """The embedded cluster of ``state_dir``, started (or its controller restarted) if needed."""
     state_dir.mkdir(parents=True, exist_ok=True)
     c = load(state_dir)
     if c is not None:
         if not pid_alive(c.controller_pid):
             c.controller_pid = start_controller(c.endpoint, state_dir)
-            _file(state_dir).write_text(json.dumps(asdict(c)))
+            _save(state_dir, c)
             log(f"restarted controller (pid {c.controller_pid})")
         return c
     t0 = time.monotonic()
@@ -87,7 +97,7 @@ def up(state_dir: Path, log=print) -> Cluster:
     srv.wait_ready()
     ctl = start_controller(srv.endpoint, state_dir)
     c = Cluster(srv.endpoint, srv.pid, ctl, str(state_dir), srv.peer_port)
-    _file(state_dir).write_text(json.dumps(asdict(c)))
+    _save(state_dir, c)
     log(f"embedded cluster up in {time.monotonic() - t0:.1f}s: etcd {srv.endpoint} (pid {srv.pid}), "
         f"controller pid {ctl}; state in {state_dir}")
     return c
@@ -119,5 +129,5 @@ def restart_etcd(state_dir: Path, downtime: float) -> Cluster:
     srv.wait_ready()
     c.etcd_pid = srv.pid
     c.peer_port = srv.peer_port
-    _file(state_dir).write_text(json.dumps(asdict(c)))
+    _save(state_dir, c)
     return c

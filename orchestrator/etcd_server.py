@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -111,8 +112,6 @@ class EtcdServer:
         last = ""
         ctx = None
         if self.tls:
-            import ssl
-
             ctx = ssl.create_default_context(cafile=self.tls[0])
             ctx.load_cert_chain(self.tls[1], self.tls[2])
         while time.monotonic() < deadline:

@@ -1,7 +1,11 @@
-"""In the training process: the Session API, state providers, lazy snapshots, the
-reconfigurable process group, and the replica wire protocol.
+"""The training process's library -- the Session API (:mod:`recovery.session`), where state
+comes from after a failure (:mod:`recovery.restore`), state providers, lazy snapshots, the
+reconfigurable process group -- plus the torch-free formats the agent shares with it: slot
+files (:mod:`recovery.slotfile`), replica frames and their client (:mod:`recovery.wire`,
+:mod:`recovery.replica_client`) and persisted checkpoints (:mod:`recovery.persist`,
+:mod:`recovery.checkpoint_store`, :mod:`recovery.checkpoint_writer`).
 
-Imports are lazy so that the agent can use :mod:`recovery.wire` without importing torch.
+Imports are lazy so that the agent can use the torch-free modules without importing torch.
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from typing import Any
 _EXPORTS = {
     "Session": "recovery.session",
     "Fenced": "recovery.session",
+    "Unrecoverable": "recovery.session",
     "ReconfigurableProcessGroup": "recovery.process_group",
     "StateProvider": "recovery.state",
     "load_final": "recovery.final",
+    "load_checkpoint": "recovery.final",
 }
 
 __all__ = sorted(_EXPORTS)

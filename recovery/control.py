@@ -12,24 +12,38 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
+from typing import Protocol
 
-from orchestrator.store import Event, JobStore, Progress, StoreError, World
+from orchestrator.store import Event, EventKind, JobStore, Progress, StoreError, World
 
 log = logging.getLogger(__name__)
+
+
+class Member(Protocol):
+    """What the link reads of the training session (plain attributes the training thread
+    sets; read here without a lock, a torn read costs one stale progress record at most)."""
+
+    rank: int  # in the current epoch (events and progress are published under it)
+    epoch: int  # joined; 0 before the first join
+    committed: int  # last step completed with every collective in it
+    step_time: float  # seconds of the last step
+    compute_time: float  # EWMA of seconds per step outside collectives
+    metrics: dict[str, float]
 
 
 class ControlLink:
     def __init__(
         self,
         jobstore: JobStore,
-        rank_source: object,
+        member: Member,
         node: str,
-        on_epoch: object,
+        on_epoch: Callable[[int], object],
         progress_interval: float = 1.0,
         poll_interval: float = 1.0,
     ) -> None:
         self.js = jobstore
-        self._session = rank_source  # has .rank, .committed, .epoch, .step_time, .metrics
+        self._session = member
         self.node = node
         self._on_epoch = on_epoch
         self.progress_interval = progress_interval
@@ -52,11 +66,15 @@ class ControlLink:
         self._cancel_watch()
         self._flush_events()
 
-    def event(self, kind: str, message: str = "", /, **data: object) -> None:
-        """Queue an event (time taken now); written by the control thread."""
-        self._events.put(
-            Event(time=time.time(), kind=kind, source=f"rank{self._session.rank}", message=message, data=dict(data))
-        )
+    def event(self, kind: EventKind | str, message: str = "", /, **data: object) -> None:
+        """Queue an event under this rank's name (time taken now)."""
+        self.put(Event(time=time.time(), kind=str(kind), source=f"rank{self._session.rank}", message=message,
+                       data=dict(data)))
+
+    def put(self, ev: Event) -> None:
+        """Queue a built event (:mod:`orchestrator.store.events`); the control thread writes
+        it, so the training thread never waits for etcd."""
+        self._events.put(ev)
         self._wake.set()
 
     def world(self, epoch: int, timeout: float = 30.0) -> World:

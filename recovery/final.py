@@ -1,20 +1,27 @@
-"""A finished job's state on disk: ``<output_dir>/final/rank<r>.safetensors`` + manifest.
+"""A job's state on disk, read and written with torch: the final state and the persisted
+checkpoints.
 
-Plain safetensors files (load them with ``safetensors.torch.load_file``); tensor names are
+The final state is ``<output_dir>/final/rank<r>.safetensors`` + ``manifest.json``. Plain
+safetensors files (load them with ``safetensors.torch.load_file``); tensor names are
 ``component/key`` (``model.params/wte.weight``, ``optimizer/state.0.exp_avg``,
 ``rng/torch``...) and each file's metadata holds the components' JSON state under
-``hotspare.meta``.
+``hotspare.meta``. Persisted checkpoints (:mod:`recovery.persist`, torch-free) follow the
+same convention; :func:`load_rank` and :func:`load_checkpoint` read them back as tensors.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from orchestrator.util import atomic_write
+
+from .checkpoint_store import join, step_name
+from .persist import CheckpointError, complete_steps, rank_file, read_manifest, read_rank_bytes
 
 
 @dataclass
@@ -25,19 +32,16 @@ class FinalState:
 
 
 def write_rank(output_dir: str | Path, rank: int, step: int, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     d = Path(output_dir) / "final"
     d.mkdir(parents=True, exist_ok=True)
-    path = d / f"rank{rank}.safetensors"
-    tmp = d / f".rank{rank}.{os.getpid()}.tmp"
-    save_file(
-        {k: v.detach().clone().contiguous() for k, v in tensors.items()},
-        str(tmp),
+    raw = save(
+        {k: v.detach().clone().contiguous() for k, v in tensors.items()},  # clones: no shared storage
         metadata={"hotspare.rank": str(rank), "hotspare.step": str(step), "hotspare.meta": json.dumps(meta)},
     )
-    os.replace(tmp, path)
-    return path
+    # 0o666: the umask decides; fsync=False: as before, the final barrier follows at once
+    return atomic_write(d / f"rank{rank}.safetensors", raw, fsync=False, mode=0o666)
 
 
 def write_manifest(output_dir: str | Path, job: str, world_size: int, steps: int, epoch: int) -> Path:
@@ -50,10 +54,7 @@ def write_manifest(output_dir: str | Path, job: str, world_size: int, steps: int
         "files": {str(r): f"rank{r}.safetensors" for r in range(world_size)},
         "time": time.time(),
     }
-    tmp = d / f".manifest.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, d / "manifest.json")
-    return d / "manifest.json"
+    return atomic_write(d / "manifest.json", json.dumps(manifest, indent=1), fsync=False, mode=0o666)
 
 
 def load_final(output_dir: str | Path) -> FinalState:
@@ -74,3 +75,34 @@ def load_final(output_dir: str | Path) -> FinalState:
             ranks[int(r)] = {k: f.get_tensor(k) for k in f.keys()}
             meta[int(r)] = json.loads((f.metadata() or {}).get("hotspare.meta", "{}"))
     return FinalState(manifest, ranks, meta)
+
+
+# -- persisted checkpoints -----------------------------------------------------------------
+def load_rank(root: str | Path, step: int, rank: int,
+              manifest: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, meta) of one rank's persisted state, verified against the manifest (size,
+    CRC32): tensors are ``component/key`` names. Raises CheckpointError naming the file."""
+    from safetensors.torch import load as st_load
+
+    header, raw = read_rank_bytes(root, step, rank, manifest)
+    try:
+        tensors = st_load(raw)
+        meta = json.loads(header["__metadata__"]["hotspare.meta"])
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise CheckpointError(f"{join(root, step_name(step), rank_file(rank))}: unreadable safetensors "
+                              f"data ({e})") from e
+    return tensors, meta
+
+
+def load_checkpoint(root: str | Path, step: int | None = None) -> FinalState:
+    """Every rank's state of a complete persisted checkpoint (the newest unless ``step``)."""
+    if step is None:
+        steps = complete_steps(root)
+        if not steps:
+            raise CheckpointError(f"{root}: no complete checkpoint (no step*/manifest.json)")
+        step = steps[-1]
+    m = read_manifest(root, step)
+    ranks, meta = {}, {}
+    for r in range(int(m["world_size"])):
+        ranks[r], meta[r] = load_rank(root, step, r, m)
+    return FinalState(manifest=m, ranks=ranks, meta=meta)

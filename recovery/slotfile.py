@@ -24,18 +24,16 @@ from pathlib import Path
 from orchestrator.util import atomic_write
 
 MAGIC = b"HSSNAP01"
-_CTRL = "<8sqqqqqqq"  # magic, state, step, seq, header_len, data_off, data_len, copied
+CTRL_FORMAT = "<8sqqqqqqq"  # magic, state, step, seq, header_len, data_off, data_len, copied
 CTRL_SIZE = 64
-_COPIED_OFF = 56  # where ``copied`` sits in the control block
+COPIED_OFFSET = 56  # where ``copied`` sits in the control block (the writer, recovery.slots, sets it)
 EMPTY, WRITING, COMPLETE = 0, 1, 2
-COPIED_OFFSET = _COPIED_OFF  # public name for the writer (recovery.snapshot)
-CTRL_FORMAT = _CTRL
 
 
 @dataclass(frozen=True)
 class DType:
     """One element type a snapshot may hold: its size and its safetensors code. The torch
-    dtype of the same name is ``getattr(torch, name)`` (see :mod:`recovery.snapshot`)."""
+    dtype of the same name is ``getattr(torch, name)`` (see :mod:`recovery.slots`)."""
 
     name: str
     itemsize: int
@@ -108,13 +106,13 @@ class SlotView:
     ino: int = 0
 
     def valid(self) -> bool:
-        _, state, _, seq, *_ = struct.unpack_from(_CTRL, self.mm, 0)
+        _, state, _, seq, *_ = struct.unpack_from(CTRL_FORMAT, self.mm, 0)
         return state == COMPLETE and seq == self.seq
 
     def copied(self) -> int:
         """Bytes of the data area filled so far; -1 once the slot is reused (or torn).
         All of it once COMPLETE."""
-        _, state, _, seq, _, _, dlen, copied = struct.unpack_from(_CTRL, self.mm, 0)
+        _, state, _, seq, _, _, dlen, copied = struct.unpack_from(CTRL_FORMAT, self.mm, 0)
         if seq != self.seq or state not in (WRITING, COMPLETE):
             return -1
         return dlen if state == COMPLETE else copied
@@ -145,7 +143,7 @@ def open_slot(path: Path, writing: bool = False) -> SlotView | None:
         mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
-    magic, state, _step, seq, hlen, doff, dlen, copied = struct.unpack_from(_CTRL, mm, 0)
+    magic, state, _step, seq, hlen, doff, dlen, copied = struct.unpack_from(CTRL_FORMAT, mm, 0)
     ok = state == COMPLETE or (writing and state == WRITING and copied >= 0)
     if magic != MAGIC or not ok or doff + dlen > st.st_size:
         mm.close()
@@ -181,12 +179,12 @@ def slot_ctrl(path: Path) -> tuple[int, int, int] | None:
     """(state, step, seq) of a slot file without mapping the data."""
     try:
         with open(path, "rb") as f:
-            raw = f.read(struct.calcsize(_CTRL))
+            raw = f.read(struct.calcsize(CTRL_FORMAT))
     except FileNotFoundError:
         return None
-    if len(raw) < struct.calcsize(_CTRL):
+    if len(raw) < struct.calcsize(CTRL_FORMAT):
         return None
-    magic, state, step, seq, *_ = struct.unpack(_CTRL, raw)
+    magic, state, step, seq, *_ = struct.unpack(CTRL_FORMAT, raw)
     return (state, step, seq) if magic == MAGIC else None
 
 

@@ -22,14 +22,16 @@ import struct
 import zlib
 from typing import Any
 
+from .slotfile import DTYPES
+
 MAGIC = b"HSF1"
 HELLO = b"HSP1"
 _HDR = "<4sIQ32s"
 HDR_SIZE = struct.calcsize(_HDR)
 MAX_HEADER = 16 * 1024 * 1024
 MAX_BODY = 1 << 40
-ELEM = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-        "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+#: bytes per element of each snapshot dtype (derived from the one table, slotfile.DTYPES)
+ELEM: dict[str, int] = {name: d.itemsize for name, d in DTYPES.items()}
 
 
 class WireError(Exception):

@@ -82,7 +82,7 @@ class Cluster:
         return p
 
     def controller(self, ttl: float = 2.0) -> subprocess.Popen:
-        return self.spawn("controller", "--ttl", str(ttl), log=f"controller-{len(self.procs)}.log")
+        return self.spawn("controller", "--leader-ttl", str(ttl), log=f"controller-{len(self.procs)}.log")
 
     def agent(self, job: str, node: str, spare: bool = False) -> subprocess.Popen:
         return self.spawn("agent", "--job", job, "--node", node, *(["--spare"] if spare else []),

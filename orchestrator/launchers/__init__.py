@@ -2,7 +2,8 @@
 
 Backends are registered by name; each backend's module is imported only when used, so the
 Slurm, Kubernetes and Ray libraries stay optional. A launcher is given the resolved spec
-(a dict, ``output_dir`` filled in) and the etcd endpoints:
+(a :class:`~orchestrator.spec.JobSpec` whose ``output_dir`` is filled in and whose etcd
+password is dropped) and the etcd endpoints:
 
 * endpoints given (``--etcd``, ``$HOTSPARE_ETCD``, the spec's ``etcd.endpoints``, or the
   embedded etcd for the local backend): the CLI has already registered the job in that etcd;
@@ -24,6 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from ..spec import JobSpec
+from ..util import atomic_write
+
 #: What a job that brought its own etcd leaves in its output_dir as it ends (`hotspare status
 #: --json` and `hotspare events --json`), so that status, events and wait still answer once
 #: the allocation and its etcd are gone.
@@ -38,10 +42,10 @@ class Launcher(Protocol):
     #: True if the backend can start its own etcd when the spec names none.
     brings_etcd: bool
 
-    def render(self, spec: dict, endpoints: list[str]) -> str:
+    def render(self, spec: JobSpec, endpoints: list[str]) -> str:
         """What ``hotspare submit --dry-run`` prints: the script / manifests, human-readable."""
 
-    def launch(self, spec: dict, endpoints: list[str]) -> dict:
+    def launch(self, spec: JobSpec, endpoints: list[str]) -> dict:
         """Start the job's processes; returns ``info`` (scheduler ids, log dir, ...)."""
 
     def describe(self, info: dict) -> str | None:
@@ -91,9 +95,8 @@ def record_path(state_dir: Path, job: str) -> Path:
 def save_record(state_dir: Path, job: str, record: dict) -> None:
     p = record_path(state_dir, job)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
-    tmp.replace(p)
+    # whole or absent: `hotspare status` may read it while `submit` writes (mode as write_text's)
+    atomic_write(p, json.dumps(record, indent=1, sort_keys=True), fsync=False, mode=0o666)
 
 
 def load_record(state_dir: Path, job: str) -> dict | None:

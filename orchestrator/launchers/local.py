@@ -8,14 +8,14 @@ are spares.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
-from ..etcd_server import pid_alive
+from ..spec import JobSpec
+from ..util import pid_alive
 
 
 def agent_command(job: str, node: str, endpoints: list[str], *, spare: bool = False,
@@ -42,23 +42,22 @@ def start_agent(
                                 start_new_session=True, env=env)
 
 
-def _nodes(spec: dict) -> list[tuple[str, bool]]:
-    n_active = math.ceil(spec["ranks"] / spec["ranks_per_node"])
-    return [(f"node{i}", False) for i in range(n_active)] + [(f"spare{i}", True) for i in range(spec["spares"])]
+def _nodes(spec: JobSpec) -> list[tuple[str, bool]]:
+    return [(f"node{i}", False) for i in range(spec.nodes)] + [(f"spare{i}", True) for i in range(spec.spares)]
 
 
 class LocalLauncher:
     brings_etcd = False
 
-    def render(self, spec: dict, endpoints: list[str]) -> str:
+    def render(self, spec: JobSpec, endpoints: list[str]) -> str:
         eps = endpoints or ["<embedded etcd>"]
-        return "\n".join(shlex.join(agent_command(spec["name"], n, eps, spare=s)) + " &"
+        return "\n".join(shlex.join(agent_command(spec.name, n, eps, spare=s)) + " &"
                          for n, s in _nodes(spec))
 
-    def launch(self, spec: dict, endpoints: list[str]) -> dict:
-        log_dir = Path(spec["output_dir"]) / "logs"
-        agents = {n: start_agent(spec["name"], n, endpoints, log_dir, spare=s).pid for n, s in _nodes(spec)}
-        (Path(spec["output_dir"]) / "agents.json").write_text(json.dumps(agents, indent=1))
+    def launch(self, spec: JobSpec, endpoints: list[str]) -> dict:
+        log_dir = spec.log_dir
+        agents = {n: start_agent(spec.name, n, endpoints, log_dir, spare=s).pid for n, s in _nodes(spec)}
+        (Path(spec.output_dir) / "agents.json").write_text(json.dumps(agents, indent=1))
         return {"agents": agents, "log_dir": str(log_dir)}
 
     def describe(self, info: dict) -> str | None:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import os
 import shlex
 import signal
@@ -52,6 +51,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
+from ..spec import JobSpec
 from . import LaunchError
 
 #: Seconds launch waits for every actor to be scheduled and its child started.
@@ -65,18 +65,17 @@ _ETCD_ENV = ("HOTSPARE_ETCD_CA", "HOTSPARE_ETCD_CERT", "HOTSPARE_ETCD_KEY", "HOT
 
 
 # -- the spec's view ---------------------------------------------------------------------------
-def _namespace(spec: dict) -> str:
-    return (spec.get("ray") or {}).get("namespace") or f"hotspare-{spec['name']}"
+def _namespace(spec: JobSpec) -> str:
+    return spec.ray.get("namespace") or f"hotspare-{spec.name}"
 
 
-def _roles(spec: dict) -> list[str]:
-    n_active = math.ceil(spec["ranks"] / spec["ranks_per_node"])
-    return ["active"] * n_active + ["spare"] * spec["spares"]
+def _roles(spec: JobSpec) -> list[str]:
+    return ["active"] * spec.nodes + ["spare"] * spec.spares
 
 
-def _demand(spec: dict) -> tuple[float, float, dict[str, float]]:
+def _demand(spec: JobSpec) -> tuple[float, float, dict[str, float]]:
     """(num_cpus, num_gpus, custom resources) each agent actor reserves."""
-    opts = spec.get("ray") or {}
+    opts = spec.ray
     resources = {k: float(v) for k, v in (opts.get("resources") or {}).items()}
     gpus = resources.pop("GPU", 0.0)  # Ray wants these two as num_gpus / num_cpus
     cpus = resources.pop("CPU", 1.0)
@@ -252,7 +251,7 @@ def _fits(node: dict, cpus: float, gpus: float, resources: dict[str, float]) -> 
             and all(have.get(k, 0.0) >= v for k, v in resources.items()))
 
 
-def pick_nodes(nodes: list[dict], spec: dict) -> list[dict]:
+def pick_nodes(nodes: list[dict], spec: JobSpec) -> list[dict]:
     """One alive node per agent that can hold its reservation, the head node last."""
     roles = _roles(spec)
     cpus, gpus, resources = _demand(spec)
@@ -290,8 +289,8 @@ def check_etcd_reachable(endpoints: list[str], chosen: list[dict], here: str) ->
 class RayLauncher:
     brings_etcd = False
 
-    def render(self, spec: dict, endpoints: list[str]) -> str:
-        job, opts = spec["name"], spec.get("ray") or {}
+    def render(self, spec: JobSpec, endpoints: list[str]) -> str:
+        job, opts = spec.name, spec.ray
         eps = endpoints or ["<embedded etcd>"]
         cpus, gpus, resources = _demand(spec)
         want = {"num_cpus": cpus, **({"num_gpus": gpus} if gpus else {}), **resources}
@@ -302,7 +301,7 @@ class RayLauncher:
             f"{len(roles)} detached agent actors, one per alive Ray node that has {want}, the head "
             "node last;",
             "# each actor runs its agent as a child process that dies with it (PDEATHSIG); logs in "
-            f"{Path(spec['output_dir']) / 'logs'}/agent-<node>.log",
+            f"{spec.log_dir}/agent-<node>.log",
         ]
         for role in ("active", "spare"):
             if roles.count(role):
@@ -316,11 +315,11 @@ class RayLauncher:
                          "multi-machine one needs an external etcd (etcd.endpoints)")
         return "\n".join(lines)
 
-    def launch(self, spec: dict, endpoints: list[str]) -> dict:
+    def launch(self, spec: JobSpec, endpoints: list[str]) -> dict:
         if not endpoints:
             raise LaunchError("the ray backend needs etcd endpoints (it starts no etcd of its own)")
-        job, opts, namespace = spec["name"], spec.get("ray") or {}, _namespace(spec)
-        log_dir = Path(spec["output_dir"]) / "logs"
+        job, opts, namespace = spec.name, spec.ray, _namespace(spec)
+        log_dir = spec.log_dir
         env = _etcd_env()
         with _connected(opts.get("address"), namespace) as ray:
             left = _job_actors(ray, job, namespace)
@@ -343,11 +342,11 @@ class RayLauncher:
                            f"spare) on Ray nodes {', '.join(sorted(agents))} and a controller actor, "
                            f"Ray namespace {namespace}"}
 
-    def _start_agents(self, ray, spec: dict, endpoints: list[str], chosen: list[dict],
+    def _start_agents(self, ray, spec: JobSpec, endpoints: list[str], chosen: list[dict],
                       log_dir: Path, env: dict[str, str]) -> tuple[dict, dict]:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        job, namespace = spec["name"], _namespace(spec)
+        job, namespace = spec.name, _namespace(spec)
         cpus, gpus, resources = _demand(spec)
         actor = ray.remote(Supervisor)
         handles: dict = {}

@@ -1,9 +1,12 @@
 """The only code in hotspare that talks to etcd.
 
-Public surface: :class:`Store` (connection), :class:`JobStore` (one job's typed keys),
-the records, and the error hierarchy.
+Public surface: :class:`Store` (connection), :class:`JobStore` (one job's typed keys and
+verbs), the records, :mod:`.events` (typed constructors for the timeline's events), and the
+error hierarchy. (``c10d`` is the training side's rendezvous store adapter; it imports torch
+and is not imported here.)
 """
 
+from . import events
 from .client import (
     ENV_OPTIONS,
     KV,
@@ -47,6 +50,7 @@ __all__ = [
     "TokenExpired",
     "World",
     "connect_error",
+    "events",
     "list_jobs",
     "parse_endpoint",
     "parse_snapshot",

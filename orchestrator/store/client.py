@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlparse
+
+from orchestrator.util import PeriodicWorker
 
 from .errors import Conflict, LeaseLost, StoreError, StoreUnavailable
 
@@ -60,6 +62,14 @@ class Compare:
     target: str
     op: str
     value: bytes | int
+
+
+def _guard(tx: Any, cmp: Compare) -> Any:
+    """python3-etcd3's form of ``cmp`` (KeyError for an unknown target or op)."""
+    target = {"value": tx.value, "mod": tx.mod, "version": tx.version,
+              "create": tx.create}[cmp.target](cmp.key)
+    return {"==": target.__eq__, "!=": target.__ne__, "<": target.__lt__,
+            ">": target.__gt__}[cmp.op](cmp.value)
 
 
 @contextmanager
@@ -207,7 +217,7 @@ def connect_error(endpoint: str, error: BaseException, options: Mapping[str, str
 
 
 class Lease:
-    """An etcd lease kept alive by a daemon thread well inside its TTL.
+    """An etcd lease kept alive by a daemon thread well inside its TTL (every TTL/4).
 
     ``lost`` is set when etcd says the lease is gone (expired or revoked): whoever holds
     it must consider itself fenced out. A temporary outage only delays keepalives; if
@@ -220,25 +230,23 @@ class Lease:
         self._lease = store._call("lease grant", lambda: store._client.lease(self.ttl))
         self.id: int = self._lease.id
         self.lost = threading.Event()
-        self._stop = threading.Event()
         self._paused = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"lease-{self.id:x}", daemon=True)
-        self._thread.start()
+        self._keepalive = PeriodicWorker(f"lease-{self.id:x}", max(self.ttl / 4.0, 0.1),
+                                         self._keepalive_once).start()
 
-    def _run(self) -> None:
-        interval = max(self.ttl / 4.0, 0.1)
-        while not self._stop.wait(interval):
-            if self._paused.is_set():
-                continue
-            try:
-                responses = self._store._call(
-                    "lease keepalive", lambda: list(self._store._client.refresh_lease(self.id)))
-                if responses and responses[0].TTL <= 0:
-                    log.warning("lease %x expired", self.id)
-                    self.lost.set()
-                    return
-            except StoreError as e:
-                log.debug("keepalive failed (will retry): %s", e)
+    def _keepalive_once(self) -> None:
+        if self._paused.is_set():
+            return
+        try:
+            responses = self._store._call(
+                "lease keepalive", lambda: list(self._store._client.refresh_lease(self.id)))
+        except StoreError as e:
+            log.debug("keepalive failed (will retry): %s", e)
+            return
+        if responses and responses[0].TTL <= 0:
+            log.warning("lease %x expired", self.id)
+            self.lost.set()
+            self._keepalive.stop(join=0)
 
     def pause(self) -> None:
         """Stop sending keepalives (chaos: partition) without revoking."""
@@ -249,14 +257,15 @@ class Lease:
         self._paused.clear()
 
     def revoke(self) -> None:
-        self._stop.set()
+        self._keepalive.stop(join=0)
         try:
             self._store._call("lease revoke", lambda: self._store._client.revoke_lease(self.id))
         except StoreError:
             pass
 
     def close(self) -> None:
-        self._stop.set()
+        """Stop the keepalives; the lease runs out after its TTL."""
+        self._keepalive.stop(join=0)
 
 
 class Store:
@@ -406,22 +415,7 @@ class Store:
         """Apply ``puts`` and ``deletes`` atomically iff every compare holds."""
         c = self._client
         tx = c.transactions
-        guards = []
-        for cmp in compares:
-            target = {
-                "value": tx.value,
-                "mod": tx.mod,
-                "version": tx.version,
-                "create": tx.create,
-            }[cmp.target](cmp.key)
-            guards.append(
-                {
-                    "==": target.__eq__,
-                    "!=": target.__ne__,
-                    "<": target.__lt__,
-                    ">": target.__gt__,
-                }[cmp.op](cmp.value)
-            )
+        guards = [_guard(tx, cmp) for cmp in compares]
         ops = [tx.put(k, v, lease=lease.id if lease else None) for k, v in (puts or {}).items()]
         ops += [tx.delete(k) for k in deletes]
         ok, _ = self._call("txn", lambda: c.transaction(compare=guards, success=ops, failure=[]))
@@ -490,9 +484,14 @@ class Store:
 
 
 def wait_until(
-    predicate: Callable[[], bool], timeout: float, interval: float = 0.05
+    predicate: Callable[[], bool],
+    timeout: float,
+    interval: float = 0.05,
+    abort: Callable[[], bool] | None = None,
 ) -> bool:
-    """Poll ``predicate`` until true or ``timeout``; store outages count as 'not yet'."""
+    """Poll ``predicate`` until true (True) or ``timeout`` (False); store outages count as
+    'not yet'. ``abort``, asked after each false round, gives up early (False): a stop
+    request, a newer epoch, or a process that died makes further waiting pointless."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -500,6 +499,8 @@ def wait_until(
                 return True
         except StoreUnavailable:
             pass
+        if abort is not None and abort():
+            return False
         if time.monotonic() >= deadline:
             return False
         time.sleep(interval)

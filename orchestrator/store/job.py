@@ -7,6 +7,7 @@ Layout (see docs/architecture.md):
     /hotspare/<job>/state              {"state", "message", "time"}        controller
     /hotspare/<job>/cancel             cancellation request                 CLI
     /hotspare/<job>/leader             controller id, under its lease       controller
+    /hotspare/<job>/checkpoint         {"step"} to persist out of schedule  CLI (hotspare checkpoint)
     /hotspare/<job>/epoch              current world version                controller (txn)
     /hotspare/<job>/world/<epoch>      rank -> node table                   controller (same txn)
     /hotspare/<job>/nodes/<node>       live agent, under its lease          agent
@@ -28,10 +29,12 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from orchestrator.spec import JobSpec
 
+from . import events
 from .client import KV, Compare, Lease, Store
 from .errors import Conflict
 from .records import Event, EventKind, JobState, Node, Progress, Report, StateRecord, World
@@ -267,11 +270,13 @@ class JobStore:
         self.store.put(self.keys.cancel, str(time.time()))
 
     def event(self, kind: EventKind | str, source: str, message: str = "", /, **data: object) -> Event:
-        ev = Event(time=time.time(), kind=str(kind), source=source, message=message, data=dict(data))
+        """Write an event of any kind now (the typed constructors are in :mod:`.events`)."""
+        ev = events.make(kind, source, message, **data)
         self.put_event(ev)
         return ev
 
     def put_event(self, ev: Event) -> None:
+        """Write one timeline event, keyed by its own time (a queued event keeps its order)."""
         self.store.put(self.keys.event(int(ev.time * 1e9)), ev.to_json())
 
     def request_checkpoint(self, step: int) -> None:
@@ -298,13 +303,59 @@ class JobStore:
         return took, took
 
     def set_state(self, state: JobState, message: str, *, leader: str,
-                  clear_reports: list[str] = ()) -> bool:
-        """Record a final state, only while ``leader`` still leads (CAS on the leader key)."""
+                  clear_reports: Iterable[tuple[str, int]] = ()) -> bool:
+        """Record a final state, only while ``leader`` still leads (CAS on the leader key),
+        deleting the reports ``clear_reports`` names (``(node, rank)``) in the same txn."""
         return self.store.txn(
-            [Compare(self.keys.leader, "value", "==", leader.encode())],
+            [self._leader_guard(leader)],
             puts={self.keys.state: StateRecord(state.value, time.time(), message).to_json()},
-            deletes=list(clear_reports),
+            deletes=self._report_keys(clear_reports),
         )
+
+    # -- decisions: compare-and-set on what the decision was based on ---------------------
+    def commit_decision(self, snap: JobSnapshot, world: World, *, leader: str,
+                        state: JobState | None = None,
+                        clear_reports: Iterable[tuple[str, int]] = ()) -> bool:
+        """Make ``world`` the current one (epoch key and world record in one txn), optionally
+        set the job's ``state`` and delete reports ``(node, rank)`` it handled.
+
+        Fenced twice: on the epoch key's revision read in ``snap`` (a decision based on a
+        world that has moved on since is refused, so two controllers can never both write
+        the next epoch) and on ``leader`` still holding the job's leader key. False when
+        refused: re-read and decide again."""
+        puts: dict[str, bytes | str] = {
+            self.keys.epoch: str(world.epoch),
+            self.keys.world(world.epoch): world.to_json(),
+        }
+        if state is not None:
+            puts[self.keys.state] = StateRecord(state.value, time.time()).to_json()
+        return self.store.txn(self._decision_fence(snap, leader), puts=puts,
+                              deletes=self._report_keys(clear_reports))
+
+    def clear_reports(self, snap: JobSnapshot, reports: Iterable[tuple[str, int]], *,
+                      leader: str) -> bool:
+        """Delete reports ``(node, rank)`` that a decision found stale or handled without a
+        new world, under the same fence as :meth:`commit_decision`: only the leader, and only
+        while the world is still the one the decision judged them against. True if there was
+        nothing to delete."""
+        keys = self._report_keys(reports)
+        if not keys:
+            return True
+        return self.store.txn(self._decision_fence(snap, leader), deletes=keys)
+
+    def _decision_fence(self, snap: JobSnapshot, leader: str) -> list[Compare]:
+        epoch_guard = (
+            Compare(self.keys.epoch, "mod", "==", snap.epoch_mod)
+            if snap.epoch_mod
+            else Compare(self.keys.epoch, "create", "==", 0)
+        )
+        return [epoch_guard, self._leader_guard(leader)]
+
+    def _leader_guard(self, leader: str) -> Compare:
+        return Compare(self.keys.leader, "value", "==", leader.encode())
+
+    def _report_keys(self, reports: Iterable[tuple[str, int]]) -> list[str]:
+        return [self.keys.report(node, rank) for node, rank in reports]
 
     def events(self) -> list[Event]:
         kvs, _ = self.store.get_prefix(self.keys.events_prefix)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from recovery import persist
+from recovery.final import load_checkpoint
 
 from .test_exact_recovery import assert_identical, gpt_spec, run_ok
 
@@ -30,7 +31,7 @@ def test_rank_and_its_replica_holder_lost_together_restore_from_the_persistent_t
         assert d["restore_step"] in (20, 40)
     assert_identical(reference, cluster.tmp / "out" / "persist")
     root = cluster.tmp / "out" / "persist" / "checkpoints"
-    ck = persist.load_checkpoint(root)  # complete, verified, readable after the run
+    ck = load_checkpoint(root)  # complete, verified, readable after the run
     assert ck.manifest["world_size"] == 3 and set(ck.ranks) == {0, 1, 2}
 
 
@@ -97,7 +98,7 @@ def test_hotspare_checkpoint_persists_an_upcoming_point_of_a_running_job(cluster
     [step] = persist.complete_steps(root)
     assert f"persisted: {persist.checkpoint_path(root, step)}" in r.stdout
     assert step > 0 and step % 10 == 0
-    ck = persist.load_checkpoint(root)
+    ck = load_checkpoint(root)
     assert ck.manifest["world_size"] == 3 and ck.manifest["step"] == step
     # one consistent step: every rank's data position is the same
     assert len({json.dumps(ck.meta[r]["data"], sort_keys=True) for r in range(3)}) == 1

@@ -162,12 +162,12 @@ def test_removed_ray_node_is_replaced_by_the_spare_and_the_job_ends_bit_identica
 
 
 # -- placement and refusals, without a Ray cluster ---------------------------------------------
-def _spec(**fields) -> dict:
+def _spec(**fields):
     from orchestrator.spec import parse_spec
 
     base = {"name": "r", "entrypoint": str(EXAMPLES / "gpt.py") + ":train", "ranks": 3, "spares": 1,
             "steps": 10, "backend": "ray", "output_dir": "/out/r", "ray": {"resources": {RESOURCE: 1}}}
-    return parse_spec({**base, **fields}).to_dict()
+    return parse_spec({**base, **fields})
 
 
 def _node(i: int, ip: str = "10.0.0.1", head: bool = False, alive: bool = True, **res) -> dict:

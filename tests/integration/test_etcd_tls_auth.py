@@ -118,7 +118,7 @@ def test_job_over_tls_recovers_from_a_killed_rank(tls_etcd, pki, tmp_path):
     c = Cluster(tls_etcd, tmp_path, **_client_tls(pki))
     try:
         tls = _client_tls(pki)
-        c.spawn("controller", "--ttl", "2", "--etcd", tls_etcd.endpoint, "--etcd-ca", tls["ca_cert"],
+        c.spawn("controller", "--leader-ttl", "2", "--etcd", tls_etcd.endpoint, "--etcd-ca", tls["ca_cert"],
                 "--etcd-cert", tls["cert"], "--etcd-key", tls["key"], log="controller.log")
         del c.env["HOTSPARE_ETCD"]  # the spec alone says where etcd is and how to reach it
         spec = c.spec_file(name="tls", steps=40, etcd={"endpoints": [tls_etcd.endpoint], **tls},
@@ -158,7 +158,7 @@ def test_job_runs_with_user_and_password_from_the_spec_and_the_password_is_store
     c = Cluster(srv, tmp_path, user="root", password=root_pw)
     try:
         (tmp_path / "pw").write_text(pw + "\n")
-        c.spawn("controller", "--ttl", "2", "--etcd-user", "trainer", "--etcd-password-file",
+        c.spawn("controller", "--leader-ttl", "2", "--etcd-user", "trainer", "--etcd-password-file",
                 str(tmp_path / "pw"), log="controller.log")
         spec = c.spec_file(name="auth", ranks=2, steps=30,
                            etcd={"endpoints": [srv.endpoint], "user": "trainer", "password": pw})

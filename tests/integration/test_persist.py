@@ -14,9 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from agents.node_view import NodeView
 from agents.persist import Persister
 from agents.replica import ReplicaStore
+from orchestrator.spec import JobSpec
 from recovery import persist
+from recovery.final import load_checkpoint
 from recovery.snapshot import SnapshotEngine
 from recovery.state import provider_for
 
@@ -39,13 +42,17 @@ def _train_to(eng, model, opt, upto: int, start: int = 0) -> None:
         eng.capture(step)
         eng.wait()
         if step % 10 == 0:
-            store.confirm(eng.rank, step)  # what the agent's replicator does once buddies have it
+            store.confirm(eng.sid, step)  # what the agent's replicator does once buddies have it
+
+
+def _spec(**fields) -> JobSpec:
+    return JobSpec(name="t", entrypoint="train:main", ranks=1, steps=100, **fields)
 
 
 def _persister(eng, root: Path, events: list, **spec) -> Persister:
-    s = {"persist_every": 10, "persist_path": str(root), "output_dir": str(root.parent), **spec}
-    return Persister(eng.dir, s, job="t", local_ranks=lambda: {0: 0}, world=lambda: (1, 1),
-                     requested=lambda: None, event=lambda kind, msg, **d: events.append((kind, msg, d)))
+    s = _spec(**{"persist_every": 10, "persist_path": str(root), "output_dir": str(root.parent), **spec})
+    return Persister(eng.dir, s, job="t", view=lambda: NodeView(epoch=1, world_size=1, seats={0: 0}),
+                     event=lambda kind, msg, **d: events.append((kind, msg, d)))
 
 
 def test_persisted_checkpoint_loads_back_exactly_and_with_plain_safetensors(tmp_path):
@@ -58,7 +65,7 @@ def test_persisted_checkpoint_loads_back_exactly_and_with_plain_safetensors(tmp_
     assert [e[0] for e in events] == ["persisted"]
     assert not list((tmp_path / "ssd").rglob("*.safetensors"))  # moved on to the shared path
 
-    st = persist.load_checkpoint(tmp_path / "ckpt")
+    st = load_checkpoint(tmp_path / "ckpt")
     assert st.manifest["step"] == 10 and st.manifest["world_size"] == 1
     for name, t in model.state_dict().items():
         assert torch.equal(st.ranks[0][f"model.params/{name}"], t)
@@ -75,11 +82,11 @@ def test_a_step_computed_twice_never_makes_one_checkpoint_of_both_computations(t
     root, events = tmp_path / "ckpt", []
     e0, m0, o0 = _engine(tmp_path / "a", sid=0)
     e1, m1, o1 = _engine(tmp_path / "b", sid=1)
-    p0 = Persister(e0.dir, {"persist_every": 10, "persist_path": str(root), "output_dir": str(tmp_path)},
-                   job="t", local_ranks=lambda: {0: 0}, world=lambda: (2, 2), requested=lambda: None,
+    p0 = Persister(e0.dir, _spec(persist_every=10, persist_path=str(root), output_dir=str(tmp_path)),
+                   job="t", view=lambda: NodeView(epoch=2, world_size=2, seats={0: 0}),
                    event=lambda kind, msg, **d: events.append(kind))
-    p1 = Persister(e1.dir, {"persist_every": 10, "persist_path": str(root), "output_dir": str(tmp_path)},
-                   job="t", local_ranks=lambda: {1: 1}, world=lambda: (2, 2), requested=lambda: None,
+    p1 = Persister(e1.dir, _spec(persist_every=10, persist_path=str(root), output_dir=str(tmp_path)),
+                   job="t", view=lambda: NodeView(epoch=2, world_size=2, seats={1: 1}),
                    event=lambda kind, msg, **d: events.append(kind))
     e0.lineage = {"timeline": 1, "world_rank": 0, "world_size": 2}
     _train_to(e0, m0, o0, 10)
@@ -120,22 +127,22 @@ def test_truncated_or_corrupt_checkpoint_is_refused_with_the_file_named(tmp_path
 
     f.write_bytes(good[: len(good) // 2])
     with pytest.raises(persist.CheckpointError, match=rf"{f}: truncated"):
-        persist.load_checkpoint(tmp_path / "ckpt")
+        load_checkpoint(tmp_path / "ckpt")
 
     bad = bytearray(good)
     bad[-5] ^= 0xFF
     f.write_bytes(bytes(bad))
     with pytest.raises(persist.CheckpointError, match=rf"{f}: corrupt: CRC32 mismatch"):
-        persist.load_checkpoint(tmp_path / "ckpt")
+        load_checkpoint(tmp_path / "ckpt")
 
     f.write_bytes(good)
     (f.parent / "manifest.json").write_text("{not json")
     with pytest.raises(persist.CheckpointError, match="manifest.json: unreadable manifest"):
-        persist.load_checkpoint(tmp_path / "ckpt", step=10)
+        load_checkpoint(tmp_path / "ckpt", step=10)
     (f.parent / "manifest.json").unlink()  # a half-written checkpoint is never a checkpoint
     assert persist.complete_steps(tmp_path / "ckpt") == []
     with pytest.raises(persist.CheckpointError, match="no complete checkpoint"):
-        persist.load_checkpoint(tmp_path / "ckpt")
+        load_checkpoint(tmp_path / "ckpt")
 
 
 @pytest.fixture
@@ -168,7 +175,7 @@ def test_disk_full_during_persist_keeps_the_previous_checkpoint_and_says_so(tmp_
     assert "disk full" in msg and "No space left on device" in msg and str(root) in msg
     assert "previous checkpoint (step 10) is intact" in msg
     assert persist.complete_steps(root) == [10]
-    st = persist.load_checkpoint(root)  # verified against its CRC: intact
+    st = load_checkpoint(root)  # verified against its CRC: intact
     assert st.manifest["step"] == 10
     assert not [x for x in (root / "step00000020").iterdir() if x.name.startswith(".")]  # no temp left
     eng.close()
@@ -192,24 +199,24 @@ def test_fsspec_url_as_the_shared_path(tmp_path):
     eng, model, opt = _engine(tmp_path)
     events: list = []
     url = "memory://hotspare-test/ckpt"
-    s = {"persist_every": 10, "persist_path": url, "output_dir": str(tmp_path),
-         "persist_local_dir": str(tmp_path / "ssd"), "persist_keep": 1}
-    p = Persister(eng.dir, s, job="t", local_ranks=lambda: {0: 0}, world=lambda: (1, 1),
-                  requested=lambda: None, event=lambda kind, msg, **d: events.append((kind, msg, d)))
+    s = _spec(persist_every=10, persist_path=url, output_dir=str(tmp_path),
+              persist_local_dir=str(tmp_path / "ssd"), persist_keep=1)
+    p = Persister(eng.dir, s, job="t", view=lambda: NodeView(epoch=1, world_size=1, seats={0: 0}),
+                  event=lambda kind, msg, **d: events.append((kind, msg, d)))
     _train_to(eng, model, opt, 10)
     p.persist_once()
     _train_to(eng, model, opt, 20, start=11)
     p.persist_once()
     assert persist.complete_steps(url) == [20]  # keep 1: step 10 pruned
     assert events[-1][2]["path"] == url + "/step00000020"
-    st = persist.load_checkpoint(url)
+    st = load_checkpoint(url)
     for name, t in model.state_dict().items():
         assert torch.equal(st.ranks[0][f"model.params/{name}"], t)
     fs = fsspec.filesystem("memory")
     raw = fs.cat_file("/hotspare-test/ckpt/step00000020/rank0.safetensors")
     fs.pipe_file("/hotspare-test/ckpt/step00000020/rank0.safetensors", raw[:-10])
     with pytest.raises(persist.CheckpointError, match=r"memory://hotspare-test/ckpt/step00000020/rank0.safetensors: truncated"):
-        persist.load_checkpoint(url)
+        load_checkpoint(url)
     fs.rm("/hotspare-test", recursive=True)
     eng.close()
 
@@ -240,7 +247,7 @@ def test_any_damage_to_a_checkpoint_is_refused_naming_the_file(tmp_path):
         for name, content in files.items():
             (d / name).write_bytes(bytes(raw) if name == which else content)
         try:
-            st_ = persist.load_checkpoint(tmp_path / "ckpt", step=10)
+            st_ = load_checkpoint(tmp_path / "ckpt", step=10)
         except persist.CheckpointError as e:
             assert str(d / which) in str(e) or (which == "manifest.json" and "manifest.json" in str(e)), str(e)
         else:

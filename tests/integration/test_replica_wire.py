@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from agents.replica import ReplicaServer, ReplicaStore, Replicator, fetch, fetch_first, list_steps
+from agents.node_view import NodeView
+from agents.replica import ReplicaServer, ReplicaStore, Replicator
+from recovery.replica_client import fetch, fetch_first, list_steps
 from recovery.snapshot import SnapshotEngine, tensors_from_bytes
 from recovery.state import provider_for
 from recovery.wire import (
@@ -63,7 +65,7 @@ def snap(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(3, 8)).sum().backward()
     opt.step()  # so that the optimizer has state (momentum buffers) to snapshot
-    eng = SnapshotEngine(tmp_path, rank=1, replicate_every=0)
+    eng = SnapshotEngine(tmp_path, sid=1, replicate_every=0)
     eng.providers = provider_for("model", model) + provider_for("opt", opt)
     eng.capture(5)
     eng.wait()
@@ -103,10 +105,10 @@ def _closed_port() -> int:
 def test_list_and_fetch_serve_a_worker_snapshot(snap, tmp_path, serve):
     eng, model = snap
     srv = serve(tmp_path)
-    assert list_steps(HOST, srv.port, SECRET, rank=1) == [5]
-    assert list_steps(HOST, srv.port, SECRET, rank=0) == []
+    assert list_steps(HOST, srv.port, SECRET, sid=1) == [5]
+    assert list_steps(HOST, srv.port, SECRET, sid=0) == []
 
-    header, body = fetch(HOST, srv.port, SECRET, rank=1, step=5)
+    header, body = fetch(HOST, srv.port, SECRET, sid=1, step=5)
     validate_snapshot(header, body)
     assert header["step"] == 5 and header["rank"] == 1
     assert len(header["crc"]) == len(header["tensors"])
@@ -119,20 +121,20 @@ def test_list_and_fetch_serve_a_worker_snapshot(snap, tmp_path, serve):
     assert torch.equal(got["model.params/bias"], model.bias.detach())
 
     with pytest.raises(WireError, match="no snapshot of rank 1 at step 4"):
-        fetch(HOST, srv.port, SECRET, rank=1, step=4)
+        fetch(HOST, srv.port, SECRET, sid=1, step=4)
 
 
 # -- put ------------------------------------------------------------------------------------------
 def test_put_keeps_a_verified_replica_and_refuses_a_corrupt_one(snap, tmp_path, serve):
     src = serve(tmp_path)
-    header, body = fetch(HOST, src.port, SECRET, rank=1, step=5)
+    header, body = fetch(HOST, src.port, SECRET, sid=1, step=5)
     dst_dir = tmp_path / "buddy"
     dst = serve(dst_dir)
 
     assert _put(dst.port, 3, header, body) == {"ok": True}
     assert (dst_dir / "replica-rank3-step5.bin").is_file()
-    assert list_steps(HOST, dst.port, SECRET, rank=3) == [5]
-    h3, b3 = fetch(HOST, dst.port, SECRET, rank=3, step=5)
+    assert list_steps(HOST, dst.port, SECRET, sid=3) == [5]
+    h3, b3 = fetch(HOST, dst.port, SECRET, sid=3, step=5)
     assert b3 == body and h3["rank"] == 3 and h3["crc"] == header["crc"]
 
     # same tensor table and checksums, one flipped byte in the first tensor's bytes
@@ -158,17 +160,17 @@ def test_put_keeps_a_verified_replica_and_refuses_a_corrupt_one(snap, tmp_path, 
 
 def test_put_keeps_only_the_newest_replicas_per_rank(snap, tmp_path, serve):
     src = serve(tmp_path)
-    header, body = fetch(HOST, src.port, SECRET, rank=1, step=5)
+    header, body = fetch(HOST, src.port, SECRET, sid=1, step=5)
     dst = serve(tmp_path / "buddy")
     for step in (5, 6, 7, 8, 9):
         assert _put(dst.port, 2, dict(header, step=step), body)["ok"]
-    assert list_steps(HOST, dst.port, SECRET, rank=2) == [7, 8, 9]
+    assert list_steps(HOST, dst.port, SECRET, sid=2) == [7, 8, 9]
 
 
 # -- corrupt replicas ----------------------------------------------------------------------------
 def test_corrupt_replica_is_rejected_and_fetch_first_falls_back(snap, tmp_path, serve):
     src = serve(tmp_path)
-    header, body = fetch(HOST, src.port, SECRET, rank=1, step=5)
+    header, body = fetch(HOST, src.port, SECRET, sid=1, step=5)
     good_dir, bad_dir = tmp_path / "good", tmp_path / "bad"
     good, bad = serve(good_dir), serve(bad_dir)
     assert _put(good.port, 3, header, body)["ok"] and _put(bad.port, 3, header, body)["ok"]
@@ -177,10 +179,10 @@ def test_corrupt_replica_is_rejected_and_fetch_first_falls_back(snap, tmp_path, 
     raw = f.read_bytes()
     hlen = int.from_bytes(raw[:8], "little")
     f.write_bytes(_flip(raw, 8 + hlen + header["tensors"][-1]["offset"]))
-    assert list_steps(HOST, bad.port, SECRET, rank=3) == [5]  # it still claims to hold it
+    assert list_steps(HOST, bad.port, SECRET, sid=3) == [5]  # it still claims to hold it
 
     with pytest.raises(WireError, match="checksum"):
-        fetch(HOST, bad.port, SECRET, rank=3, step=5)
+        fetch(HOST, bad.port, SECRET, sid=3, step=5)
 
     h, b, name = fetch_first([("node-bad", HOST, bad.port), ("node-good", HOST, good.port)], SECRET, 3, 5)
     assert name == "node-good" and b == body and h["crc"] == header["crc"]
@@ -188,12 +190,12 @@ def test_corrupt_replica_is_rejected_and_fetch_first_falls_back(snap, tmp_path, 
     with pytest.raises(RuntimeError) as e:
         fetch_first([("node-bad", HOST, bad.port), ("node-gone", HOST, _closed_port())], SECRET, 3, 5)
     msg = str(e.value)
-    assert "node-bad" in msg and "node-gone" in msg and "checksum" in msg and "rank 3 at step 5" in msg
+    assert "node-bad" in msg and "node-gone" in msg and "checksum" in msg and "sid 3 at step 5" in msg
 
 
 def test_fetch_first_skips_a_holder_with_an_unhashable_dtype(snap, tmp_path, serve):
     src = serve(tmp_path)
-    header, body = fetch(HOST, src.port, SECRET, rank=1, step=5)
+    header, body = fetch(HOST, src.port, SECRET, sid=1, step=5)
 
     class Rogue(ReplicaServer):
         def answer(self, req, data):
@@ -218,9 +220,9 @@ def test_a_new_worker_of_a_rank_is_confirmed_its_own_points_never_its_predecesso
     buddy = serve(tmp_path / "buddy")
     node = tmp_path / "node"
     model = torch.nn.Linear(8, 4)
-    rep = Replicator(ReplicaStore(node), SECRET, buddies=lambda: [("buddy", HOST, buddy.port)],
-                     local_ranks=lambda: {0})
-    old = SnapshotEngine(node, rank=0, replicate_every=5, replication_timeout=3)
+    rep = Replicator(ReplicaStore(node), SECRET,
+                     view=lambda: NodeView(buddies=(("buddy", HOST, buddy.port),), seats={0: 0}))
+    old = SnapshotEngine(node, sid=0, replicate_every=5, replication_timeout=3)
     old.providers = provider_for("model", model)
     for step in (-1, 5, 10, 15):
         old.capture(step)
@@ -232,9 +234,9 @@ def test_a_new_worker_of_a_rank_is_confirmed_its_own_points_never_its_predecesso
 
     rep.forget(0)  # the agent hands rank 0 to a new worker here
     rep.push_once()  # a round before the new worker has written anything
-    new = SnapshotEngine(node, rank=0, replicate_every=5, replication_timeout=3)
+    new = SnapshotEngine(node, sid=0, replicate_every=5, replication_timeout=3)
     new.providers = provider_for("model", model)
-    assert new.replicated() == -2, "the dead worker's confirmation must not count for the new one"
+    assert new.confirmed()[0] == -2, "the dead worker's confirmation must not count for the new one"
     new.capture(5)  # rolled back to step 5: its own point 5, older than the dead worker's 15 (still on disk)
     new.wait()
     assert new._last_point not in old_points and new._last_point[0] == 5
@@ -251,10 +253,10 @@ def test_wrong_secret_is_refused_both_ways_and_the_server_keeps_serving(snap, tm
     with pytest.raises(WireError):
         Channel.client(HOST, srv.port, b"t" * 32, timeout=10)
     with pytest.raises(WireError):
-        list_steps(HOST, srv.port, b"", rank=1)
+        list_steps(HOST, srv.port, b"", sid=1)
     with pytest.raises(WireError):  # a server of another job is refused by our client
-        fetch(HOST, serve(tmp_path / "other", secret=b"o" * 32).port, SECRET, rank=1, step=5)
-    assert list_steps(HOST, srv.port, SECRET, rank=1) == [5]
+        fetch(HOST, serve(tmp_path / "other", secret=b"o" * 32).port, SECRET, sid=1, step=5)
+    assert list_steps(HOST, srv.port, SECRET, sid=1) == [5]
 
 
 def test_client_refuses_something_that_is_not_a_replica_server():
@@ -323,19 +325,19 @@ def test_strangers_are_refused_before_any_frame_and_do_not_hurt_the_server(snap,
     hello, rest = _stranger(srv.port, payload)
     assert hello[:4] == b"HSP1" and len(hello) == 20
     assert rest == b"", "the server said more than its hello to a stranger"
-    assert list_steps(HOST, srv.port, SECRET, rank=1) == [5]
+    assert list_steps(HOST, srv.port, SECRET, sid=1) == [5]
 
 
 def test_connect_and_close_and_idle_strangers_do_not_block_the_server(snap, tmp_path, serve):
     srv = serve(tmp_path)
     for _ in range(3):
         socket.create_connection((HOST, srv.port), timeout=10).close()
-    assert list_steps(HOST, srv.port, SECRET, rank=1) == [5]
+    assert list_steps(HOST, srv.port, SECRET, sid=1) == [5]
     idle = socket.create_connection((HOST, srv.port), timeout=10)
     try:
         idle.sendall(b"\x00" * 10)  # half a handshake, then silence
-        assert list_steps(HOST, srv.port, SECRET, rank=1) == [5]
-        assert fetch(HOST, srv.port, SECRET, rank=1, step=5)[0]["step"] == 5
+        assert list_steps(HOST, srv.port, SECRET, sid=1) == [5]
+        assert fetch(HOST, srv.port, SECRET, sid=1, step=5)[0]["step"] == 5
     finally:
         idle.close()
 
@@ -359,7 +361,7 @@ def test_authenticated_peer_sending_a_bad_frame_is_dropped(snap, tmp_path, serve
             ch.recv()
     finally:
         ch.close()
-    assert list_steps(HOST, srv.port, SECRET, rank=1) == [5]
+    assert list_steps(HOST, srv.port, SECRET, sid=1) == [5]
 
 
 # -- frames over socket pairs -------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The store against a real etcd: CAS fencing, leases, watches, error translation."""
+"""The store against a real etcd: CAS fencing, leases, watches, error translation, and the
+JobStore verbs that hold every compare-and-set of a job's keys."""
 
 from __future__ import annotations
 
@@ -11,10 +12,15 @@ from orchestrator.controller import Controller
 from orchestrator.decide import decide
 from orchestrator.store import (
     Compare,
+    JobState,
     JobStore,
+    Lease,
     Node,
+    Report,
+    Seat,
     Store,
     StoreUnavailable,
+    World,
     wait_until,
 )
 
@@ -89,3 +95,123 @@ def test_a_controller_that_is_not_leader_cannot_write_a_world(etcd):
     assert js.epoch() == 1
     # the same decision applied again is fenced by the epoch revision it was based on
     assert not leader.apply(js, snap, d)
+
+
+# -- the JobStore verbs: every compare-and-set of the job's keys lives in the store layer --
+def _placed_job(st: Store, name: str) -> tuple[JobStore, Lease]:
+    """A submitted job with two live nodes; returns it and the nodes' lease."""
+    js = JobStore(st, name)
+    js.submit(_spec(name), b"s")
+    lease = st.lease(5)
+    for i in range(2):
+        js.register_node(Node(f"node{i}", f"inc{i}", "active", 1), lease)
+    return js, lease
+
+
+def test_fire_once_is_true_for_exactly_one_caller_even_when_they_race(etcd):
+    st = Store([etcd.endpoint])
+    js = JobStore(st, "fire")
+    results: list[bool] = []
+    threads = [threading.Thread(target=lambda: results.append(js.fire_once(3))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [False] * 7 + [True]
+    assert not js.fire_once(3), "a step recomputed after a rollback must not fire again"
+    assert js.fire_once(4), "each entry is claimed on its own"
+
+
+def test_try_lead_takes_a_free_key_once_and_a_standby_leads_after_the_lease_is_revoked(etcd):
+    st = Store([etcd.endpoint])
+    js = JobStore(st, "lead")
+    a_lease, b_lease = st.lease(5), st.lease(5)
+    assert js.try_lead("A", a_lease) == (True, True)
+    assert js.try_lead("A", a_lease) == (True, False), "holding is not taking again"
+    assert js.try_lead("B", b_lease) == (False, False)
+    a_lease.revoke()  # the leader dies: its key goes with its lease
+    assert js.try_lead("B", b_lease) == (True, True)
+    assert js.snapshot().leader == "B"
+
+
+def test_set_state_is_refused_for_a_non_leader_and_clears_reports_for_the_leader(etcd):
+    st = Store([etcd.endpoint])
+    js, _ = _placed_job(st, "final")
+    assert js.try_lead("A", st.lease(5))[0]
+    js.report(Report("node1", 1, 1, "exit", exit_code=1))
+    assert not js.set_state(JobState.FAILED, "not mine", leader="B", clear_reports=[("node1", 1)])
+    snap = js.snapshot()
+    assert (snap.state, len(snap.reports)) == (JobState.PENDING, 1)
+    assert js.set_state(JobState.FAILED, "rank 1 died", leader="A", clear_reports=[("node1", 1)])
+    snap = js.snapshot()
+    assert (snap.state, snap.state_message, snap.reports) == (JobState.FAILED, "rank 1 died", [])
+
+
+def test_commit_decision_is_refused_for_a_non_leader_and_on_a_stale_epoch(etcd):
+    st = Store([etcd.endpoint])
+    js, _ = _placed_job(st, "commit")
+    assert js.try_lead("A", st.lease(5))[0]
+    snap = js.snapshot()
+    first = World(1, (Seat("node0", "inc0", 1), Seat("node1", "inc1", 1)), reason="initial placement")
+    assert not js.commit_decision(snap, first, leader="B", state=JobState.RUNNING)
+    assert (js.epoch(), js.state()[0]) == (0, JobState.PENDING)
+    assert js.commit_decision(snap, first, leader="A", state=JobState.RUNNING)
+    assert (js.epoch(), js.world(1), js.state()[0]) == (1, first, JobState.RUNNING)
+    # a second decision based on the same (now stale) snapshot is refused
+    assert not js.commit_decision(snap, first, leader="A")
+    running = js.snapshot()
+    js.report(Report("node1", 1, 1, "exit", exit_code=1))
+    swapped = World(2, (first.seats[0], Seat("node0", "inc0", 2)), reason="rank 1 died", lost=(1,))
+    assert js.commit_decision(running, swapped, leader="A", clear_reports=[("node1", 1)])
+    snap = js.snapshot()
+    assert (snap.epoch, snap.world, snap.reports) == (2, swapped, [])
+    assert snap.state is JobState.RUNNING, "only the first world sets the state"
+
+
+def test_clear_reports_is_fenced_like_a_decision(etcd):
+    st = Store([etcd.endpoint])
+    js, _ = _placed_job(st, "clear")
+    assert js.try_lead("A", st.lease(5))[0]
+    js.report(Report("node1", 1, 0, "exit", exit_code=1))
+    snap = js.snapshot()
+    assert js.clear_reports(snap, [], leader="B"), "nothing to delete is no refusal"
+    assert not js.clear_reports(snap, [("node1", 1)], leader="B")
+    assert len(js.snapshot().reports) == 1
+    st.put(js.keys.epoch, "1")  # the world moved on since the snapshot
+    assert not js.clear_reports(snap, [("node1", 1)], leader="A")
+    assert len(js.snapshot().reports) == 1
+    assert js.clear_reports(js.snapshot(), [("node1", 1)], leader="A")
+    assert js.snapshot().reports == []
+
+
+def test_request_checkpoint_is_visible_in_the_snapshot(etcd):
+    st = Store([etcd.endpoint])
+    js, _ = _placed_job(st, "ckpt")
+    assert js.snapshot().checkpoint is None
+    js.request_checkpoint(40)
+    assert js.snapshot().checkpoint == 40
+    js.request_checkpoint(50)
+    assert js.snapshot().checkpoint == 50
+
+
+def test_the_controller_writes_the_timeline_through_the_event_constructors(etcd):
+    """A place then a swap: the events carry the data keys the recovery timeline reads."""
+    st = Store([etcd.endpoint])
+    js, _ = _placed_job(st, "events")
+    ctl = Controller(st, ident="A")
+    assert ctl.reconcile_once("events").action == "place"
+    st.put(js.keys.node("spare0"), Node("spare0", "inc-s", "spare", 1).to_json())
+    js.report(Report("node1", 1, 1, "exit", exit_code=9, time=123.0))
+    d = ctl.reconcile_once("events")
+    assert d.action == "swap" and d.spares == ("spare0",)
+    evs = {e.kind: e for e in js.events()}
+    assert evs["leader"].data == {"controller": "A"} and evs["leader"].source == "A"
+    assert evs["placed"].data == {"epoch": 1, "seats": ["node0", "node1"]}
+    fail = evs["failure"]
+    assert fail.source == "controller" and fail.message == "rank 1 on node1: worker died (exit code 9)"
+    assert fail.data == {"rank": 1, "node": "node1", "kind": "exit", "epoch": 2, "spare": "spare0",
+                         "detected": 123.0}
+    swap = evs["swap"]
+    assert (swap.message, swap.data["epoch"], swap.data["lost"], swap.data["spares"]) == (
+        d.reason, 2, [1], ["spare0"])
+    assert set(swap.data) == {"epoch", "lost", "spares", "decided"}

@@ -9,6 +9,7 @@ checks the action, the new world and the sentence the controller logs.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections import Counter
 
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.decide import Decision, Loss, decide, find_losses
+from orchestrator.decide import Action, Decision, Loss, LossKind, decide, find_losses
 from orchestrator.spec import JobSpec
 from orchestrator.store.job import JobSnapshot
 from orchestrator.store.records import JobState, Node, Report, Seat, World
@@ -1062,3 +1063,27 @@ def test_every_decision_on_a_running_job_is_consistent(snap):
         assert len({d.world.sid(r) for r in range(d.world.size)}) == d.world.size
     else:
         assert d.world is None
+
+
+def test_action_and_loss_kind_are_their_plain_names_to_callers_logs_and_json():
+    d = Decision("swap", "why")
+    assert d.action is Action.SWAP and d.action == "swap"
+    assert f"{d.action}" == "swap" and json.dumps([d.action, LossKind.NODE_LOSS]) == '["swap", "node-loss"]'
+    with pytest.raises(ValueError):
+        Decision("reboot", "no such action")
+
+
+def test_decide_returns_enum_members():
+    snap = snapshot_running()
+    lose(snap, "node1")
+    d = decide(snap)
+    assert d.action is Action.SWAP
+    assert [lo.kind for lo in d.losses] == [LossKind.NODE_LOSS]
+
+
+def test_a_report_kind_from_a_newer_agent_is_still_a_loss_swapped_to_a_spare():
+    snap = snapshot_running()
+    report(snap, 1, kind="oom", message="worker ran out of memory")
+    d = decide(snap)
+    assert_swapped(snap, d, {1: "spare0"}, kind="oom")
+    assert "rank 1 on node1: worker ran out of memory" in str(d)

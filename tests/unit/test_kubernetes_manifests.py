@@ -8,8 +8,8 @@ tests that talk to a real cluster skip, saying why, when none is reachable.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import os
 import signal
 import socket
@@ -46,13 +46,12 @@ SCENARIOS = {
 SCHEMA_VERSIONS = ("1.30", kv.latest_version())
 
 
-def resolved(**overrides) -> dict:
-    d = load_spec(CONFIG, overrides).to_dict()
-    d["output_dir"] = "/home/someone/.hotspare/jobs/" + d["name"]  # what the CLI fills in
-    return d
+def resolved(**overrides) -> JobSpec:
+    spec = load_spec(CONFIG, overrides)
+    return dataclasses.replace(spec, output_dir="/home/someone/.hotspare/jobs/" + spec.name)  # as the CLI does
 
 
-def render(scenario: str) -> tuple[dict, list[dict]]:
+def render(scenario: str) -> tuple[JobSpec, list[dict]]:
     overrides, endpoints = SCENARIOS[scenario]
     spec = resolved(**overrides)
     return spec, k8s.manifests(spec, endpoints, SECRET)
@@ -116,9 +115,9 @@ def test_every_document_round_trips_through_the_client_models(scenario):
 def test_one_agent_pod_per_node_plus_spares_with_required_anti_affinity(scenario):
     spec, docs = render(scenario)
     jobs = agent_jobs(docs)
-    nodes = math.ceil(spec["ranks"] / spec["ranks_per_node"])
+    nodes = -(-spec.ranks // spec.ranks_per_node)
     assert jobs["active"]["spec"]["parallelism"] == jobs["active"]["spec"]["completions"] == nodes
-    assert jobs["spare"]["spec"]["parallelism"] == jobs["spare"]["spec"]["completions"] == spec["spares"]
+    assert jobs["spare"]["spec"]["parallelism"] == jobs["spare"]["spec"]["completions"] == spec.spares
     for job in jobs.values():
         pod = job["spec"]["template"]["spec"]
         assert job["spec"]["completionMode"] == "Indexed"
@@ -128,7 +127,7 @@ def test_one_agent_pod_per_node_plus_spares_with_required_anti_affinity(scenario
         assert term["topologyKey"] == "kubernetes.io/hostname"
         # one selector over both pools: a spare never shares a Kubernetes node with an active agent
         assert term["labelSelector"]["matchLabels"] == {
-            "app.kubernetes.io/name": "hotspare", "app.kubernetes.io/instance": spec["name"],
+            "app.kubernetes.io/name": "hotspare", "app.kubernetes.io/instance": spec.name,
             "hotspare/role": "agent"}
         assert term["labelSelector"]["matchLabels"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
 
@@ -136,12 +135,12 @@ def test_one_agent_pod_per_node_plus_spares_with_required_anti_affinity(scenario
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_spare_flag_is_exactly_on_the_spare_pool(scenario):
     spec, docs = render(scenario)
-    endpoints = SCENARIOS[scenario][1] or [k8s.etcd_url(spec["name"], "default")]
+    endpoints = SCENARIOS[scenario][1] or [k8s.etcd_url(spec.name, "default")]
     for pool, job in agent_jobs(docs).items():
         cmd = agent_command(job)
         assert ("--spare" in cmd) == (pool == "spare")
         i = cmd.index("hotspare")
-        assert cmd[i:i + 4] == ["hotspare", "agent", "--job", spec["name"]]
+        assert cmd[i:i + 4] == ["hotspare", "agent", "--job", spec.name]
         assert cmd[cmd.index("--etcd") + 1] == ",".join(endpoints)
         assert cmd[cmd.index("--node") + 1] == "$(POD_NAME)"
         assert cmd[cmd.index("--host") + 1] == "$(POD_IP)"
@@ -276,7 +275,8 @@ def test_output_dir_is_an_empty_dir_without_a_claim():
 
 def test_configmap_holds_the_spec_as_the_pods_see_it():
     spec = resolved()
-    spec["etcd"].update(user="root", password="hunter2")  # credentials never go to a ConfigMap
+    spec = dataclasses.replace(spec, etcd=dataclasses.replace(spec.etcd, user="root", password="hunter2"))
+    # credentials never go to a ConfigMap
     docs = k8s.manifests(spec, EXTERNAL, SECRET)
     text = of_kind(docs, "ConfigMap")[0]["data"]["spec.json"]
     assert "hunter2" not in text

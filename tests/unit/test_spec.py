@@ -482,6 +482,11 @@ FIELD_ERRORS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
         {"chaos": [{"at_step": 1, "action": "kill-rank", "rank": 0, "seconds": 5}]},
         ("chaos[0].seconds: seconds is not used by kill-rank", "remove it"),
     ),
+    "chaos_seconds_on_a_scheduled_control_plane_action": (
+        {"chaos": [{"at_step": 1, "action": "restart-etcd", "seconds": 5}]},
+        ("chaos[0].seconds: seconds is not used by restart-etcd; it applies to hang-rank, "
+         "slow-rank, partition-node (remove it)",),
+    ),
     "chaos_seconds_not_positive": (
         {"chaos": [{"at_step": 1, "action": "hang-rank", "rank": 0, "seconds": 0}]},
         ("chaos[0].seconds: must be > 0 seconds, got 0",),
@@ -800,3 +805,15 @@ def test_parse_overrides_keeps_invalid_yaml_as_a_string() -> None:
 def test_parse_overrides_without_key_value_shows_the_form(item: str) -> None:
     with pytest.raises(SpecError, match=r"expected key=value, e\.g\. --set ranks=8"):
         parse_overrides([item])
+
+
+def test_chaos_vocabulary_is_the_chaos_action_table() -> None:
+    """orchestrator.spec re-exports the names of orchestrator.chaos (one table of actions),
+    so a new action row is accepted by the spec without touching spec.py."""
+    from orchestrator import chaos, spec
+
+    assert spec.CHAOS_ACTIONS == chaos.NAMES
+    assert (spec.RANK_ACTIONS, spec.NODE_ACTIONS, spec.CONTROL_ACTIONS) == (
+        chaos.RANK_ACTIONS, chaos.NODE_ACTIONS, chaos.CONTROL_ACTIONS)
+    assert set(spec.RANK_ACTIONS) | set(spec.NODE_ACTIONS) | set(spec.CONTROL_ACTIONS) == set(
+        spec.CHAOS_ACTIONS)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from agents.replica import ReplicaStore
-from recovery.slotfile import COMPLETE, CTRL_SIZE, WRITING, read_slot, slot_steps
+from recovery.slotfile import COMPLETE, CTRL_SIZE, WRITING, read_confirmation, read_slot, slot_steps
 from recovery.snapshot import Slot, SnapshotEngine
 from recovery.state import (
     ModuleState,
@@ -193,7 +193,7 @@ def _opt_state(opt) -> dict:
 
 def test_optimizer_state_restores_through_a_slot_without_aliasing_it(tmp_path):
     model, opt = _adamw_after_steps(3)
-    eng = SnapshotEngine(tmp_path, rank=0)
+    eng = SnapshotEngine(tmp_path, sid=0)
     try:
         eng.providers = provider_for("model", model) + provider_for("opt", opt)
         assert isinstance(eng.providers[-1][1], OptimizerState) and eng.providers[-1][1].async_ok
@@ -269,7 +269,7 @@ class _Scalar:
 
 
 def _engine(tmp_path, **kw):
-    eng = SnapshotEngine(tmp_path, rank=0, **kw)
+    eng = SnapshotEngine(tmp_path, sid=0, **kw)
     prov = _Scalar()
     extra = {"step": None}
     eng.providers = [("s", prov)] + provider_for("extra", extra)
@@ -316,6 +316,22 @@ def test_ring_keeps_newest_two_and_restores_an_older_step(tmp_path):
         eng.close()
 
 
+def test_files_are_named_by_sid_and_rank_is_a_deprecated_keyword_for_it(tmp_path):
+    eng = SnapshotEngine(tmp_path, rank=3, replicate_every=2)
+    try:
+        assert eng.sid == eng.rank == 3
+        eng.providers = [("s", _Scalar())]
+        eng.capture(-1)
+        eng.capture(1)
+        eng.wait()
+        assert {p.name for p in tmp_path.glob("rank3.*")} == {"rank3.point0", "rank3.slot0"}
+        assert read_slot(tmp_path / "rank3.point0")[0]["rank"] == 3  # the header keeps its field
+    finally:
+        eng.close()
+    with pytest.raises(TypeError, match="sid"):
+        SnapshotEngine(tmp_path)
+
+
 def test_capture_returns_before_the_lazy_copy_and_wait_completes_it(tmp_path):
     release = threading.Event()
 
@@ -324,7 +340,7 @@ def test_capture_returns_before_the_lazy_copy_and_wait_completes_it(tmp_path):
             release.wait(10)
             return super().tensors()
 
-    eng = SnapshotEngine(tmp_path, rank=0)
+    eng = SnapshotEngine(tmp_path, sid=0)
     prov = Held()
     eng.providers = [("s", prov)]
     try:
@@ -382,8 +398,8 @@ def test_slots_are_prepared_in_the_background_and_used_on_first_write(tmp_path):
         _set(prov, extra, -1)
         eng.capture(-1)  # point0
         eng.wait()
-        eng._prep_thread.join()
-        ready = dict(eng._ready)
+        eng._preparer.thread.join()
+        ready = dict(eng._preparer.ready)
         assert sorted(ready) == [0, 1, 3]  # slot0, slot1, point1 (point0 is in use)
         assert sorted(p.name.split(".")[1:3] for p in tmp_path.glob(".rank0.*.ready")) == sorted(
             eng.path(k).name.split(".") for k in ready)
@@ -443,10 +459,10 @@ def test_new_point_waits_for_the_previous_one_to_be_replicated(tmp_path):
     beats = []
     eng._beat = lambda: beats.append(1)
     try:
-        (tmp_path / "rank0.replicated").write_text("7")  # stale marker of an earlier worker
-        eng2, _, _ = _engine(tmp_path, replicate_every=2)  # a new worker of rank 0 removes it
+        (tmp_path / "rank0.replicated").write_text("7 1")  # stale marker of an earlier worker
+        eng2, _, _ = _engine(tmp_path, replicate_every=2)  # a new worker of sid 0 removes it
         eng2.close()
-        assert eng.replicated() == -2
+        assert not (tmp_path / "rank0.replicated").exists()
 
         eng.capture(-1)  # first point: nothing to wait for
         eng.wait()
@@ -468,7 +484,7 @@ def test_new_point_waits_for_the_previous_one_to_be_replicated(tmp_path):
         returned.set()
         t.join(10)
         assert observed == {"returned_before_marker": False}
-        assert eng.replicated() == -1
+        assert read_confirmation(tmp_path / "rank0.replicated")[0] == -1
         assert beats, "the engine should keep beating while it waits"
         assert "rank0.point1" in _where(tmp_path, 2)
     finally:
@@ -484,7 +500,7 @@ def test_point_gives_up_waiting_after_the_replication_timeout(tmp_path, caplog):
             eng.capture(0)  # nobody ever confirms -1
         eng.wait()
         assert any("not replicated" in r.getMessage() for r in caplog.records)
-        assert eng.replicated() == -2
+        assert read_confirmation(tmp_path / "rank0.replicated")[0] == -2
         assert eng.available() == [-1, 0]
         assert any(n.startswith("rank0.point") for n in _where(tmp_path, 0))
     finally:

@@ -1,0 +1,338 @@
+"""A job's life from the command line: submit (or run and watch), wait, cancel."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from .. import embedded, timeline
+from ..launchers import Launcher, LaunchError, load_record, record_endpoints, save_record
+from ..spec import JobSpec, SpecError, load_spec, parse_overrides
+from ..store import Conflict, EventKind, JobSnapshot, JobStore, StoreError
+from .common import (
+    CliError,
+    Command,
+    connect,
+    endpoints,
+    etcd_given,
+    etcd_settings,
+    export_for_children,
+    final_status,
+    job_endpoints,
+    jobstore,
+    launched,
+    launcher,
+    state_dir,
+)
+
+#: The events `hotspare run` prints as they happen (the rest: `hotspare events`).
+WATCHED = {EventKind.PLACED, EventKind.FAILURE, EventKind.SWAP, EventKind.SHRINK, EventKind.WAITING,
+           EventKind.ASSIGNED, EventKind.RESUMED, EventKind.CHAOS, EventKind.SUCCEEDED, EventKind.FAILED,
+           EventKind.CANCELLED, EventKind.LEADER, EventKind.NODE_JOINED}
+
+
+def load(args: argparse.Namespace) -> JobSpec:
+    """The spec file with --set applied, validated and resolved: output_dir filled in (under
+    the state dir by default), the etcd password dropped (never stored, printed or shipped:
+    processes inherit it through the environment)."""
+    try:
+        spec = load_spec(args.spec, parse_overrides(args.set or []))
+    except SpecError as e:
+        raise CliError(str(e)) from e
+    etcd_settings(args).fill_from_spec(spec)
+    return dataclasses.replace(
+        spec, etcd=dataclasses.replace(spec.etcd, password=None),
+        output_dir=spec.output_dir or str(state_dir(args) / "jobs" / spec.name))
+
+
+def _explicit_endpoints(args: argparse.Namespace, spec: JobSpec) -> bool:
+    return etcd_given(args) or bool(spec.etcd.endpoints)
+
+
+def _register(args: argparse.Namespace, spec: JobSpec, backend: Launcher) -> tuple[JobStore | None, list[str]]:
+    """Register the job in etcd before it is launched, unless the backend brings its own etcd
+    (it then registers the job from inside the cluster): (JobStore or None, endpoints)."""
+    if spec.backend == "local" or _explicit_endpoints(args, spec) or not backend.brings_etcd:
+        eps = endpoints(args, spec.etcd.endpoints, start=True)
+        js = JobStore(connect(args, eps), spec.name)
+        try:
+            js.submit(spec, secrets.token_bytes(32))
+        except Conflict as e:
+            raise CliError(f"{e}; cancel it first (`hotspare cancel {spec.name}`) or pick another name") from e
+        return js, eps
+    old = load_record(state_dir(args), spec.name)
+    if old and old.get("backend") == spec.backend and not backend.ended(old["info"]):
+        # its files (script, secret, endpoints) would be overwritten under the running job
+        raise CliError(f"job {spec.name} is still running ({backend.describe(old['info'])}); "
+                       f"cancel it first (`hotspare cancel {spec.name}`) or pick another name")
+    return None, []
+
+
+def submit(args: argparse.Namespace) -> tuple[JobStore | None, JobSpec, list[str], dict]:
+    """Register the job (see _register) and launch it: (JobStore or None, spec, endpoints,
+    launch info). Agents and workers inherit the state dir and the etcd settings."""
+    spec = load(args)
+    export_for_children(args, HOTSPARE_STATE_DIR=str(state_dir(args)))
+    backend = launcher(spec.backend)
+    js, eps = _register(args, spec, backend)
+    Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        info = backend.launch(spec, eps)
+    except LaunchError as e:
+        if js is not None:  # nothing ran: forget the job, so it can be submitted again at once
+            js.delete()
+        raise CliError(f"{spec.backend}: {e}") from e
+    save_record(state_dir(args), spec.name, {"backend": spec.backend, "endpoints": eps, "info": info,
+                                              "output_dir": spec.output_dir, "time": time.time()})
+    if js is not None:
+        js.event(EventKind.SUBMITTED, "cli", f"job {spec.name}: {spec.ranks} ranks + {spec.spares} spare "
+                 f"node(s), {spec.steps} steps on {spec.backend}")
+    return js, spec, eps, info
+
+
+def _wait_for_etcd(args: argparse.Namespace, spec: JobSpec, out: TextIO,
+                   timeout: float | None) -> tuple[JobStore, list[str]]:
+    """A backend that brings its own etcd: wait (with progress) until the job is registered."""
+    rec = load_record(state_dir(args), spec.name)
+    backend = launcher(spec.backend)
+    start, last = time.monotonic(), ""
+    while True:
+        eps = record_endpoints(rec)
+        if eps:
+            try:
+                js = JobStore(connect(args, eps), spec.name)
+                if js.exists():
+                    return js, eps
+            except (CliError, StoreError):
+                pass
+        what = backend.describe(rec["info"]) or "starting"
+        if what != last:
+            print(f"waiting for the job's etcd: {what}", file=out, flush=True)
+            last = what
+        if backend.ended(rec["info"]):
+            raise CliError(f"the {spec.backend} job ended before its etcd came up ({what}); "
+                           f"see {spec.output_dir}/logs")
+        if timeout and time.monotonic() - start > timeout:
+            raise CliError(f"job {spec.name}'s etcd did not come up within --timeout {timeout:.0f}s ({what})")
+        time.sleep(1.0)
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    spec = load(args)
+    eps = list(spec.etcd.endpoints) if _explicit_endpoints(args, spec) else []
+    if etcd_given(args):
+        eps = endpoints(args)
+    print(f"# resolved spec\n{json.dumps(spec.to_dict(), indent=2)}\n")
+    try:
+        rendered = launcher(spec.backend).render(spec, eps)
+    except (LaunchError, ValueError) as e:
+        raise CliError(f"{spec.backend}: {e}") from e
+    print(f"# what `hotspare submit` would do ({spec.backend} backend)")
+    print(rendered)
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        return _dry_run(args)
+    _, spec, eps, info = submit(args)
+    where = f"etcd {','.join(eps)}" if eps else f"{spec.backend} (etcd starts inside the job)"
+    print(f"submitted {spec.name} to {where}; {info.get('summary') or str(len(info.get('agents', {}))) + ' agents'}; "
+          f"logs in {info.get('log_dir')}")
+    print(f"watch it: hotspare status {spec.name}   hotspare events {spec.name}   hotspare logs {spec.name}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    js, spec, eps, info = submit(args)
+    out = sys.stderr if args.json else sys.stdout
+    print(f"running {spec.name} on {spec.backend}: {spec.ranks} ranks + {spec.spares} spare node(s), "
+          f"{spec.steps} steps; logs in {info.get('log_dir')}", file=out)
+    if js is None:
+        if not info.get("endpoints_file") and not info.get("endpoints"):
+            raise CliError(f"submitted {spec.name}, but `hotspare run` cannot watch it from here: "
+                           f"{info.get('note') or 'its etcd is not reachable from this machine'}")
+        js, eps = _wait_for_etcd(args, spec, out, args.timeout)
+    embedded_dir = None
+    if spec.backend == "local" and not (etcd_given(args) or spec.etcd.endpoints):
+        embedded_dir = state_dir(args)
+    state = _watch(js, spec, out, timeout=args.timeout, embedded_dir=embedded_dir)
+    _summary(js, spec, state, out, embedded_dir is not None, args.json)
+    return 0 if state == "succeeded" else 1
+
+
+def _summary(js: JobStore, spec: JobSpec, state: str, out: TextIO, embedded_up: bool, as_json: bool) -> None:
+    """What `hotspare run` says once the job ended: steps, recoveries, final losses."""
+    recs = timeline.recoveries(js.events())
+    snap = js.snapshot()
+    steps_done = spec.steps if state == "succeeded" else (
+        max((p.step + 1 for p in snap.progress.values()), default=0))
+    print(f"\njob {spec.name} {state}: {steps_done}/{spec.steps} steps, epoch {snap.epoch}"
+          + (f" ({snap.state_message})" if snap.state_message and state != "succeeded" else ""), file=out)
+    if recs:
+        print(timeline.format_section(recs), file=out)
+    losses = {r: p.metrics.get("loss") for r, p in sorted(snap.progress.items()) if "loss" in p.metrics}
+    if losses:
+        print("final loss per rank: " + ", ".join(f"{r}: {v:.4f}" for r, v in losses.items()), file=out)
+    if embedded_up:
+        print(f"(the embedded etcd and controller keep running for `hotspare status|events|logs {spec.name}`; "
+              "`hotspare down` stops them)", file=out)
+    if as_json:
+        print(json.dumps({"job": spec.name, "state": state, "steps_done": steps_done,
+                          "recoveries": timeline.summary(recs)}))
+
+
+def _progress_line(snap: JobSnapshot, steps: int) -> str:
+    done = [p.step + 1 for p in snap.progress.values()]
+    line = f"epoch {snap.epoch} | steps {min(done) if done else 0}/{steps} | {len(snap.nodes)} nodes up"
+    loss = [p.metrics["loss"] for p in snap.progress.values() if "loss" in p.metrics]
+    if loss:
+        line += f" | loss {sum(loss) / len(loss):.4f}"
+    return line
+
+
+def _watch(js: JobStore, spec: JobSpec, out: TextIO, timeout: float | None,
+           embedded_dir: Path | None = None) -> str:
+    """Print the job's new events and a progress line until it ends; its final state."""
+    seen: set[tuple[float, str]] = set()
+    start, last_line, tty = time.monotonic(), "", out.isatty()
+    while True:
+        try:
+            snap = js.snapshot()
+            for ev in js.events():
+                key = (ev.time, ev.kind + ev.message)
+                if key in seen:
+                    continue
+                seen.add(key)
+                first_placement = ev.kind == EventKind.ASSIGNED and snap.epoch <= 1 and ev.data.get("epoch") == 1
+                if ev.kind in WATCHED and not first_placement:
+                    ts = time.strftime("%H:%M:%S", time.localtime(ev.time))
+                    print(("\r" if tty else "") + f"{ts} {ev.kind:<10} {ev.message}", file=out, flush=True)
+            if snap.state.terminal:
+                return snap.state.value
+            line = _progress_line(snap, spec.steps)
+            if tty:
+                print("\r" + line.ljust(70), end="", file=out, flush=True)
+            elif line != last_line and int(time.monotonic() - start) % 5 == 0:
+                print(line, file=out, flush=True)
+            last_line = line
+        except StoreError as e:
+            print(f"(etcd: {e}; retrying)", file=out)
+        if embedded_dir is not None:
+            embedded.ensure_controller(embedded_dir, log=lambda m: print(m, file=out))
+        if timeout and time.monotonic() - start > timeout:
+            js.request_cancel()
+            raise CliError(f"job {spec.name} did not finish within --timeout {timeout:.0f}s; cancelled it")
+        time.sleep(0.5)
+
+
+def _allocation_over(args: argparse.Namespace, rec: dict) -> int | None:
+    """A job with its own etcd: once the scheduler says its allocation is over (and its etcd
+    with it), the answer is what it left behind (None: not over)."""
+    backend = launcher(rec["backend"])
+    if not backend.ended(rec["info"]):
+        return None
+    final = final_status(rec)
+    if final is None:  # e.g. cancelled, or killed at its time limit, before it could write one
+        print(f"job {args.job} did not succeed: {backend.describe(rec['info'])}, and it left no "
+              f"{rec['output_dir']}/final-status.json; see the logs in {rec['output_dir']}/logs", flush=True)
+        return 1
+    print(f"job {args.job} {final['state']}" + (f": {final['message']}" if final.get("message") else "")
+          + " (its allocation has ended)", flush=True)
+    return 0 if final["state"] == "succeeded" else 1
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    rec = launched(args, args.job)
+    js = None if rec else JobStore(connect(args, endpoints(args)), args.job)
+    start, said, checked = time.monotonic(), False, 0.0
+    while True:
+        try:
+            if js is None:
+                eps = job_endpoints(args, args.job)  # CliError while its etcd is not up yet
+                js = JobStore(connect(args, eps), args.job)
+            if js.exists():
+                state, msg = js.state()
+                if state.terminal:
+                    print(f"job {args.job} {state.value}" + (f": {msg}" if msg else ""), flush=True)
+                    return 0 if state.value == "succeeded" else 1
+            elif not said:
+                print(f"waiting for job {args.job} to be registered", flush=True)
+                said = True
+        except (StoreError, CliError) as e:
+            if rec is not None and time.monotonic() - checked >= 5:  # ask the scheduler now and then
+                checked = time.monotonic()
+                rc = _allocation_over(args, rec)
+                if rc is not None:
+                    return rc
+            if rec is None and isinstance(e, CliError):
+                raise
+            print(f"(etcd: {e}; retrying)", flush=True)
+        if args.timeout and time.monotonic() - start > args.timeout:
+            raise CliError(f"job {args.job} not finished after --timeout {args.timeout:.0f}s")
+        time.sleep(1.0)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    rec = launched(args, args.job)
+    try:
+        js = jobstore(args)
+        js.request_cancel()
+        print(f"cancellation of {args.job} requested; agents stop their workers within a second")
+    except CliError as e:
+        if rec is None:
+            raise
+        print(f"could not reach the job's etcd ({e}); cancelling through {rec['backend']} only")
+    if rec is not None:
+        said = launcher(rec["backend"]).cancel(rec["info"])
+        if said:
+            print(said)
+    return 0
+
+
+# -- flags ------------------------------------------------------------------------------------
+def _spec_arguments(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("spec", help="job spec YAML (see configs/)")
+    sp.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="override a spec field, e.g. --set ranks=8 --set args.lr=0.1")
+
+
+def _submit_arguments(sp: argparse.ArgumentParser) -> None:
+    _spec_arguments(sp)
+    sp.add_argument("--dry-run", action="store_true", help="validate and print the resolved spec")
+
+
+def _run_arguments(sp: argparse.ArgumentParser) -> None:
+    _spec_arguments(sp)
+    sp.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
+    sp.add_argument("--timeout", type=float, help="cancel the job if not done after this many seconds")
+
+
+def _wait_arguments(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("job")
+    sp.add_argument("--timeout", type=float, help="give up (exit 2) after this many seconds")
+
+
+def _job_argument(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("job")
+
+
+_SUBMIT = "submit a job and return"
+_RUN = "submit a job, watch it live, print a summary; exit 1 if it failed"
+_STARTS_EMBEDDED = ". Brings the embedded cluster up if the spec uses it and none is running."
+
+COMMANDS = [
+    Command("submit", cmd_submit, _SUBMIT, _SUBMIT + _STARTS_EMBEDDED, _submit_arguments),
+    Command("run", cmd_run, _RUN, _RUN + _STARTS_EMBEDDED, _run_arguments),
+    Command("wait", cmd_wait, "block until a job finishes; exit 0 if it succeeded, 1 if not",
+            "Block until JOB is succeeded, failed or cancelled (waiting for it to be registered "
+            "first). For batch scripts: exit 0 if it succeeded, 1 otherwise.", _wait_arguments),
+    Command("cancel", cmd_cancel, "cancel a job: its agents stop the workers and exit",
+            arguments=_job_argument),
+]

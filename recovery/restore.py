@@ -1,0 +1,348 @@
+"""Where a member's state comes from after a failure, and how the members agree on it.
+
+After every (re)join, the members of the epoch agree on the newest step all of them can
+restore, then restore it: two small allreduces (:class:`RestoreAgreement`). What a member can
+restore from is a :class:`StateSource` -- torchft's ``CheckpointTransport`` shape: the steps
+it offers, and loading one of them into the tracked state:
+
+* :class:`LocalSlots` -- the member's own snapshot slots (a survivor: no copy at all);
+* :class:`PeerReplicas` -- the replica holders of its sid on other nodes (a spare that took
+  a lost rank's seat);
+* :class:`PersistentTier` -- the persisted checkpoints, when some lost rank has no replica
+  left (every member rolls back to one);
+* :class:`DonorBroadcast` -- another member's state, broadcast to the seats a grow added
+  (they hold nothing of their own).
+
+A fifth source (say, a GPU peer-to-peer copy) is one more class with ``offer`` and ``load``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+import torch.distributed as dist
+
+from orchestrator.store import EventKind, JobStore
+
+from .final import load_rank
+from .persist import checkpoint_path, complete_steps, read_manifest
+from .process_group import ReconfigurableProcessGroup
+from .replica_client import fetch_first, list_steps
+from .snapshot import SnapshotEngine, restore, tensors_from_bytes
+from .state import reseed
+
+log = logging.getLogger(__name__)
+
+WINDOW = 64  # steps considered when agreeing on a common snapshot (newest - 63 .. newest)
+
+Holder = tuple[str, str, int]  # (node, host, replica port)
+
+
+class StepFailed(Exception):
+    """A collective of the recovery protocol failed: wait for the next epoch."""
+
+
+class Unrecoverable(RuntimeError):
+    """No copy of the state this rank needs is left (no common snapshot, no usable checkpoint)."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """This member's place in the epoch being joined."""
+
+    rank: int
+    size: int
+    epoch: int
+
+
+class Loaded(NamedTuple):
+    """What a source restored: the step (the one asked for, or for the persisted tier
+    possibly an older one), how the ``restored`` event names the source, the bytes moved."""
+
+    step: int
+    source: str
+    nbytes: int
+
+
+class StateSource(Protocol):
+    """One place this member's state of some steps can be restored from."""
+
+    def offer(self) -> set[int]:
+        """The steps this source can restore (asked once per agreement)."""
+        ...
+
+    def load(self, step: int) -> Loaded:
+        """Restore ``step`` into the tracked state (and the member's snapshot slots, so it is
+        a local step from now on)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The outcome of one agreement, for the session's ``restored`` event."""
+
+    step: int
+    source: str
+    nbytes: int
+    seconds: float
+    seated: bool = False  # this member holds state of its own now (it was a fresh start or a grown seat)
+    clean: bool = True  # the tracked state is exactly the snapshot of ``step``
+
+    def info(self) -> dict:
+        return {"source": self.source, "bytes": self.nbytes, "seconds": self.seconds}
+
+
+class LocalSlots:
+    """The member's own snapshot slots. ``live_step``: the step the tracked state still
+    equals (no optimizer step since that snapshot), or None; restoring that very step reloads
+    only the small state (RNG, data position...), since the rest is already right."""
+
+    def __init__(self, engine: SnapshotEngine, live_step: int | None) -> None:
+        self.engine = engine
+        self.live_step = live_step
+        self._steps: set[int] | None = None
+
+    def offer(self) -> set[int]:
+        if self._steps is None:
+            self._steps = set(self.engine.available())
+        return self._steps
+
+    def load(self, step: int) -> Loaded:
+        skip = {n for n, p in self.engine.providers if p.async_ok} if step == self.live_step else set()
+        self.engine.load_local(step, skip=skip)
+        self.engine.invalidate_after(step)  # newer snapshots are another future now
+        return Loaded(step, "own snapshot" + (" (small state only)" if skip else ""), 0)
+
+
+class PeerReplicas:
+    """The agents that hold replicas of this seat's sid (its lost predecessor's points)."""
+
+    def __init__(self, js: JobStore, sid: int, engine: SnapshotEngine) -> None:
+        self.js = js
+        self.sid = sid
+        self.engine = engine
+        self._secret = b""
+        self._holders: dict[int, list[Holder]] = {}
+
+    def offer(self) -> set[int]:
+        """Asks every live agent which steps it holds; the answer is kept for :meth:`load`."""
+        snap = self.js.snapshot()
+        if not self._secret:
+            self._secret = self.js.secret()
+        found: dict[int, list[Holder]] = {}
+        for n in snap.nodes.values():
+            if not n.replica_port:
+                continue
+            try:
+                for s in list_steps(n.host, n.replica_port, self._secret, self.sid):
+                    found.setdefault(s, []).append((n.name, n.host, n.replica_port))
+            except Exception as e:  # noqa: BLE001 - a dead or partitioned holder
+                log.info("replica holder %s unreachable: %s", n.name, e)
+        self._holders = found
+        return set(found)
+
+    def load(self, step: int) -> Loaded:
+        header, body, holder = fetch_first(self._holders[step], self._secret, self.sid, step)
+        restore(self.engine.providers, tensors_from_bytes(header, body), header["meta"])
+        self.engine.capture(step, timeline=header.get("timeline"))
+        self.engine.wait()
+        return Loaded(step, f"replica on {holder}", len(body))
+
+
+class PersistentTier:
+    """The persisted checkpoints of this world size under ``root``: the fallback when no
+    step is held by every member.
+
+    It offers its newest complete checkpoint. Loading is collective: each member first reads
+    and verifies its own file; only if every member could (a MIN allreduce of an ok flag) do
+    they restore it. Otherwise they all move on to the next older complete checkpoint, so one
+    corrupt, truncated or pruned file never leaves the others waiting in a collective. None
+    left: :class:`Unrecoverable`, in every member.
+    """
+
+    def __init__(self, root: str, engine: SnapshotEngine, pg: ReconfigurableProcessGroup,
+                 me: Membership, event: Callable[..., None]) -> None:
+        self.root = root
+        self.engine = engine
+        self.pg = pg
+        self.me = me
+        self.event = event
+
+    def newest(self, below: int | None = None) -> int:
+        """Newest complete checkpoint of this world size (older than ``below``), or -1."""
+        try:  # never let the fallback's lookup break a recovery that may not need it
+            for step in reversed(complete_steps(self.root)):
+                if below is not None and step >= below:
+                    continue
+                if int(read_manifest(self.root, step)["world_size"]) == self.me.size:
+                    return step
+        except Exception as e:  # noqa: BLE001 - CheckpointError, fsspec/object-store errors
+            log.warning("persisted checkpoints in %s not usable: %s", self.root, e)
+        return -1
+
+    def offer(self) -> set[int]:
+        step = self.newest()
+        return {step} if step >= 0 else set()
+
+    def load(self, step: int) -> Loaded:
+        """``step`` or, if some member cannot read its file of it, the newest older complete
+        checkpoint every member can read."""
+        refused: list[str] = []
+        while step >= 0:
+            got = self._read(step)
+            flag = torch.tensor([0 if got is None else 1, self.newest(below=step)], dtype=torch.int64)
+            if not self.pg.allreduce_(flag, dist.ReduceOp.MIN):
+                raise StepFailed()
+            if flag[0].item() == 1:
+                assert got is not None  # every member read its file, this one included
+                nbytes = self._apply(step, *got)
+                return Loaded(step, f"persisted checkpoint {checkpoint_path(self.root, step)}"
+                              + (f" (step(s) {', '.join(refused)} unusable)" if refused else ""), nbytes)
+            refused.append(str(step))
+            step = int(flag[1].item())  # the newest older one every member sees
+        raise Unrecoverable(
+            f"no usable persisted checkpoint in {self.root}: step(s) {', '.join(refused)} could not be read by "
+            "every member (see the checkpoint-unusable events) and no older complete one exists"
+        )
+
+    def _read(self, step: int) -> tuple[dict[str, torch.Tensor], dict, dict] | None:
+        """(tensors, meta, manifest) of this member's file of ``step``; None if unusable."""
+        try:
+            m = read_manifest(self.root, step)
+            tensors, meta = load_rank(self.root, step, self.me.rank, m)
+            return tensors, meta, m
+        except Exception as e:  # noqa: BLE001 - CheckpointError names the file; object-store errors
+            log.error("persisted checkpoint of step %d unusable here: %s", step, e)
+            self.event(EventKind.CHECKPOINT_UNUSABLE, f"rank {self.me.rank}: {e}", rank=self.me.rank,
+                       step=step, epoch=self.me.epoch)
+            return None
+
+    def _apply(self, step: int, tensors: dict[str, torch.Tensor], meta: dict, manifest: dict) -> int:
+        restore(self.engine.providers, tensors, meta)
+        self.engine.invalidate_after(-2)
+        timelines = {rec.get("timeline") for rec in manifest["files"].values()}
+        self.engine.capture(step, timeline=timelines.pop() if len(timelines) == 1 else None)
+        self.engine.wait()
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class DonorBroadcast:
+    """Seats added by a grow have no state of their own: the lowest-ranked member that has
+    some broadcasts its restored snapshot of the agreed step (data-parallel replicas hold
+    identical parameters, optimizer, scheduler and data position). A fresh rank keeps all of
+    it but the RNGs, which it seeds from the donor's RNG state and its own rank:
+    deterministic, and distinct per rank. Its data shard follows from the shared global
+    position and its rank (e.g. :class:`recovery.sampler.ElasticSampler`)."""
+
+    def __init__(self, engine: SnapshotEngine, pg: ReconfigurableProcessGroup, me: Membership,
+                 fresh_ranks: Sequence[int]) -> None:
+        self.engine = engine
+        self.pg = pg
+        self.me = me
+        self.fresh_ranks = list(fresh_ranks)
+        self.donor = min(r for r in range(me.size) if r not in self.fresh_ranks)
+
+    def offer(self) -> set[int]:
+        return set()  # a grown seat constrains nothing: it takes the step the others agree on
+
+    def load(self, step: int) -> Loaded:
+        """Collective: every member calls it. A fresh seat restores what the donor sent and
+        says so; every other member gets an empty source back (it keeps its own)."""
+        sizes = torch.zeros(2, dtype=torch.int64)
+        payload = b""
+        if self.me.rank == self.donor:
+            header, body = self.engine.read(step)
+            hb = json.dumps(header, separators=(",", ":")).encode()
+            payload = hb + bytes(body)
+            sizes[0], sizes[1] = len(hb), len(body)
+        if not self.pg.broadcast_(sizes, self.donor):
+            raise StepFailed()
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
+            torch.zeros(int(sizes.sum().item()), dtype=torch.uint8)
+        if not self.pg.broadcast_(buf, self.donor):
+            raise StepFailed()
+        if self.me.rank not in self.fresh_ranks:
+            return Loaded(step, "", 0)
+        hlen = int(sizes[0].item())
+        raw = buf.numpy().tobytes()
+        header = json.loads(raw[:hlen])
+        restore(self.engine.providers, tensors_from_bytes(header, raw[hlen:]), header["meta"])
+        digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes() + f"/{self.me.rank}".encode()).digest()
+        reseed(int.from_bytes(digest[:8], "little") >> 1)
+        self.engine.capture(step, timeline=header.get("timeline"))
+        self.engine.wait()
+        return Loaded(step, f"peer rank {self.donor} (grown seat)", len(raw) - hlen)
+
+
+class RestoreAgreement:
+    """Agree on the newest step every member can restore, then restore it.
+
+    Survivors offer the steps in their own snapshot slots; a newcomer (spare) offers the steps
+    replica holders have for its sid. Two small allreduces: MAX of each member's newest step
+    (and of a flag per rank: "my seat is fresh from a grow"), then MIN of an availability mask
+    over the ``WINDOW`` steps below it (plus each member's newest persisted checkpoint). A
+    fresh seat constrains nothing; it receives a member's state once the others have restored
+    (:class:`DonorBroadcast`). No common step: every member rolls back to the persisted tier.
+    """
+
+    def __init__(self, pg: ReconfigurableProcessGroup, engine: SnapshotEngine, me: Membership) -> None:
+        self.pg = pg
+        self.engine = engine
+        self.me = me
+
+    def run(self, sources: Sequence[StateSource], tier: PersistentTier, fresh: bool,
+            started: float | None = None) -> Restored:
+        """``fresh``: this member's seat was added by a grow and holds nothing. ``started``:
+        when the restore began (the ``seconds`` reported count from it; default now)."""
+        t0 = time.time() if started is None else started
+        offers = [(s, s.offer()) for s in sources]
+        offer: set[int] = set().union(*(o for _, o in offers))
+        top, fresh_ranks = self._newest(offer, fresh)
+        if top == -2:  # nobody holds any state: a fresh start
+            self.engine.capture(-1)
+            self.engine.wait()
+            return Restored(-1, "fresh start", 0, 0.0, seated=True, clean=False)
+        common, persisted = self._common(top, offer, fresh, tier)
+        if not common and persisted >= 0:
+            got = tier.load(persisted)  # maybe an older checkpoint than ``persisted``
+            return Restored(got.step, got.source, got.nbytes, round(time.time() - t0, 4))
+        if not common:
+            raise Unrecoverable(
+                f"rank {self.me.rank}: no snapshot step is held by every member of epoch {self.me.epoch} "
+                f"(this rank offers {sorted(offer)[-5:]}, newest anywhere {top}) and there is no "
+                f"complete persisted checkpoint in {tier.root}: the state of a lost rank "
+                "and all its replicas is gone (set persist_every to survive this)"
+            )
+        step = max(common)
+        got = Loaded(step, "", 0) if fresh else next(s for s, o in offers if step in o).load(step)
+        if fresh_ranks:
+            sent = DonorBroadcast(self.engine, self.pg, self.me, fresh_ranks).load(step)
+            if fresh:  # filled in by the transfer
+                got = sent
+        return Restored(step, got.source, got.nbytes, round(time.time() - t0, 4), seated=fresh)
+
+    def _newest(self, offer: set[int], fresh: bool) -> tuple[int, list[int]]:
+        """First allreduce (MAX): the newest step anywhere (-2: none) and the fresh seats."""
+        head = torch.zeros(1 + self.me.size, dtype=torch.int64)
+        head[0] = max(offer) if offer else -2
+        head[1 + self.me.rank] = int(fresh)
+        if not self.pg.allreduce_(head, dist.ReduceOp.MAX):
+            raise StepFailed()
+        return int(head[0].item()), [r for r in range(self.me.size) if head[1 + r].item()]
+
+    def _common(self, top: int, offer: set[int], fresh: bool, tier: PersistentTier) -> tuple[list[int], int]:
+        """Second allreduce (MIN): the steps below ``top`` every member holds, and the newest
+        persisted checkpoint every member sees (-1: none)."""
+        persisted = max(tier.offer(), default=-1)
+        mask = torch.tensor([1 if fresh or top - i in offer else 0 for i in range(WINDOW)] + [persisted],
+                            dtype=torch.int64)
+        if not self.pg.allreduce_(mask, dist.ReduceOp.MIN):
+            raise StepFailed()
+        return [top - i for i in range(WINDOW) if mask[i].item() == 1], int(mask[WINDOW].item())

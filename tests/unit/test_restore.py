@@ -1,0 +1,230 @@
+"""The restore agreement and its state sources, one member in a scripted group: the other
+members' contributions to each collective are given, so every outcome of the two
+allreduces (and of the persisted tier's ok-flag round) is reachable without processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from recovery.checkpoint_writer import write_rank
+from recovery.persist import try_finish
+from recovery.restore import (
+    WINDOW,
+    DonorBroadcast,
+    LocalSlots,
+    Membership,
+    PersistentTier,
+    RestoreAgreement,
+    StepFailed,
+    Unrecoverable,
+)
+from recovery.slotfile import open_slot
+from recovery.snapshot import SnapshotEngine
+
+
+class ScriptedGroup:
+    """A group whose other members contributed ``others``: one tensor per collective, in
+    order (None: the collective fails)."""
+
+    def __init__(self, *others: torch.Tensor | None) -> None:
+        self.others = list(others)
+
+    def _next(self) -> torch.Tensor | None:
+        assert self.others, "a collective the test did not expect"
+        return self.others.pop(0)
+
+    def allreduce_(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> bool:
+        other = self._next()
+        if other is None:
+            return False
+        t.copy_(torch.maximum(t, other) if op == dist.ReduceOp.MAX else torch.minimum(t, other))
+        return True
+
+    def broadcast_(self, t: torch.Tensor, src: int) -> bool:
+        other = self._next()
+        if other is None:
+            return False
+        if other.numel():  # empty: this member is the source
+            t.copy_(other)
+        return True
+
+
+class Weights:
+    """A provider: one parameter-like tensor, copied lazily like a model's."""
+
+    async_ok = True
+
+    def __init__(self) -> None:
+        self.t = torch.zeros(8)
+
+    def tensors(self):
+        return {"w": self.t}
+
+    def meta(self):
+        return {}
+
+    def load(self, tensors, meta):
+        self.t.copy_(tensors["w"])
+
+
+def _engine(d, steps=(), every=10):
+    eng = SnapshotEngine(d, sid=0, replicate_every=every, replication_timeout=0.01)
+    w = Weights()
+    eng.providers = [("m", w)]
+    for s in steps:
+        w.t.fill_(float(s))
+        eng.capture(s)
+        eng.wait()
+    return eng, w
+
+
+def _head(top: int, *fresh: int) -> torch.Tensor:
+    return torch.tensor([top, *fresh], dtype=torch.int64)
+
+
+def _mask(steps_held: set[int], top: int, persisted: int) -> torch.Tensor:
+    return torch.tensor([1 if top - i in steps_held else 0 for i in range(WINDOW)] + [persisted],
+                        dtype=torch.int64)
+
+
+def _checkpoint(tmp_path, step: int, size: int) -> str:
+    """A complete persisted checkpoint of ``step`` for ``size`` ranks (weights = step)."""
+    eng, _ = _engine(tmp_path / f"ckpt-src{step}", steps=[-1, step])
+    view = open_slot(eng.path(eng.nring + 1))  # point 1 holds ``step``
+    root = tmp_path / "ckpt"
+    for r in range(size):
+        write_rank(view, root, rank=r, job="t", timeline=1, world_size=size)
+    assert try_finish(root, step, size, "t")
+    view.close()
+    eng.close()
+    return str(root)
+
+
+def _damage(path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def test_nobody_holding_state_is_a_fresh_start(tmp_path):
+    eng, _ = _engine(tmp_path)
+    me = Membership(rank=0, size=2, epoch=1)
+    pg = ScriptedGroup(_head(-2, 0, 0))
+    tier = PersistentTier(str(tmp_path / "none"), eng, pg, me, lambda *a, **k: None)
+    r = RestoreAgreement(pg, eng, me).run([LocalSlots(eng, None)], tier, fresh=False)
+    assert (r.step, r.source, r.seated, r.clean) == (-1, "fresh start", True, False)
+    assert eng.available() == [-1]
+    eng.close()
+
+
+def test_a_survivor_restores_the_newest_step_every_member_holds(tmp_path):
+    eng, w = _engine(tmp_path, steps=[-1, 1, 2, 3])  # ring: 2, 3; points: -1
+    me = Membership(rank=0, size=2, epoch=2)
+    # the other member is newer (step 4) but also holds 2: 2 is the newest common step
+    pg = ScriptedGroup(_head(4, 0, 0), _mask({2, 4}, 4, -1))
+    tier = PersistentTier(str(tmp_path / "none"), eng, pg, me, lambda *a, **k: None)
+    r = RestoreAgreement(pg, eng, me).run([LocalSlots(eng, live_step=3)], tier, fresh=False)
+    assert (r.step, r.source, r.nbytes) == (2, "own snapshot", 0)
+    assert torch.equal(w.t, torch.full((8,), 2.0))
+    assert eng.available() == [-1, 2], "step 3 is another future after the rollback"
+    eng.close()
+
+
+def test_restoring_the_step_the_state_still_equals_reloads_only_small_state(tmp_path):
+    eng, w = _engine(tmp_path, steps=[-1, 1, 2])
+    w.t.fill_(99.0)  # not what the snapshot holds: proves the big state is not reloaded
+    me = Membership(rank=0, size=1, epoch=2)
+    pg = ScriptedGroup(_head(2, 0), _mask({2}, 2, -1))
+    tier = PersistentTier(str(tmp_path / "none"), eng, pg, me, lambda *a, **k: None)
+    r = RestoreAgreement(pg, eng, me).run([LocalSlots(eng, live_step=2)], tier, fresh=False)
+    assert r.source == "own snapshot (small state only)" and torch.equal(w.t, torch.full((8,), 99.0))
+    eng.close()
+
+
+def test_no_common_step_rolls_every_member_back_to_the_persisted_checkpoint(tmp_path):
+    root = _checkpoint(tmp_path, 10, size=2)
+    eng, w = _engine(tmp_path / "shm", steps=[-1, 20, 21])
+    me = Membership(rank=1, size=2, epoch=3)
+    events = []
+    pg = ScriptedGroup(_head(30, 0, 0), _mask({30}, 30, 10), torch.tensor([1, -1]))
+    tier = PersistentTier(root, eng, pg, me, lambda *a, **k: events.append(a))
+    r = RestoreAgreement(pg, eng, me).run([LocalSlots(eng, None)], tier, fresh=False)
+    assert r.step == 10 and r.source == f"persisted checkpoint {root}/step00000010" and r.nbytes == 32
+    assert torch.equal(w.t, torch.full((8,), 10.0)) and eng.available() == [10] and not events
+    eng.close()
+
+
+def test_a_member_that_cannot_read_its_file_makes_all_refuse_that_checkpoint(tmp_path):
+    root = _checkpoint(tmp_path, 10, size=2)
+    _damage(tmp_path / "ckpt" / "step00000010" / "rank1.safetensors")
+    eng, _ = _engine(tmp_path / "shm", steps=[-1, 20])
+    me = Membership(rank=1, size=2, epoch=3)
+    events = []
+    pg = ScriptedGroup(_head(30, 0, 0), _mask({30}, 30, 10), torch.tensor([1, -1]))
+    tier = PersistentTier(root, eng, pg, me, lambda *a, **k: events.append((a, k)))
+    with pytest.raises(Unrecoverable, match=r"step\(s\) 10 could not be read by every member"):
+        RestoreAgreement(pg, eng, me).run([LocalSlots(eng, None)], tier, fresh=False)
+    [((kind, message), data)] = events
+    assert kind == "checkpoint-unusable" and "rank1.safetensors: corrupt" in message
+    assert data == {"rank": 1, "step": 10, "epoch": 3}
+    eng.close()
+
+
+def test_all_members_fall_back_to_the_next_older_checkpoint_one_of_them_can_read(tmp_path):
+    _checkpoint(tmp_path, 10, size=2)
+    root = _checkpoint(tmp_path, 20, size=2)
+    _damage(tmp_path / "ckpt" / "step00000020" / "rank1.safetensors")
+    eng, w = _engine(tmp_path / "shm", steps=[-1, 25])
+    me = Membership(rank=1, size=2, epoch=3)
+    events = []
+    # the other member reads both of its files: ok flags (1, newest older 10), then (1, none)
+    pg = ScriptedGroup(_head(30, 0, 0), _mask({30}, 30, 20), torch.tensor([1, 10]), torch.tensor([1, -1]))
+    tier = PersistentTier(root, eng, pg, me, lambda *a, **k: events.append(a))
+    r = RestoreAgreement(pg, eng, me).run([LocalSlots(eng, None)], tier, fresh=False)
+    assert r.step == 10 and r.source == f"persisted checkpoint {root}/step00000010 (step(s) 20 unusable)"
+    assert torch.equal(w.t, torch.full((8,), 10.0)) and eng.available() == [10]
+    assert [kind for kind, _ in events] == ["checkpoint-unusable"]
+    eng.close()
+
+
+def test_no_common_step_and_no_checkpoint_is_unrecoverable_saying_why(tmp_path):
+    eng, _ = _engine(tmp_path, steps=[-1, 5])
+    me = Membership(rank=0, size=2, epoch=4)
+    pg = ScriptedGroup(_head(30, 0, 0), _mask({30}, 30, -1))
+    tier = PersistentTier(str(tmp_path / "none"), eng, pg, me, lambda *a, **k: None)
+    with pytest.raises(Unrecoverable, match=r"rank 0: no snapshot step is held by every member of epoch 4 "
+                                            r"\(this rank offers \[-1, 5\], newest anywhere 30\)"):
+        RestoreAgreement(pg, eng, me).run([LocalSlots(eng, None)], tier, fresh=False)
+    eng.close()
+
+
+def test_a_failed_collective_means_waiting_for_the_next_epoch(tmp_path):
+    eng, _ = _engine(tmp_path, steps=[-1])
+    me = Membership(rank=0, size=2, epoch=2)
+    for script in ([None], [_head(-1, 0, 0), None]):
+        pg = ScriptedGroup(*script)
+        tier = PersistentTier(str(tmp_path / "none"), eng, pg, me, lambda *a, **k: None)
+        with pytest.raises(StepFailed):
+            RestoreAgreement(pg, eng, me).run([LocalSlots(eng, None)], tier, fresh=False)
+    eng.close()
+
+
+def test_a_grown_seat_takes_the_agreed_step_from_its_donor(tmp_path):
+    donor, _ = _engine(tmp_path / "donor", steps=[-1, 7])
+    header, body = donor.read(7)
+    donor.close()
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    payload = torch.frombuffer(bytearray(hb + body), dtype=torch.uint8)
+    eng, w = _engine(tmp_path / "fresh")
+    me = Membership(rank=1, size=2, epoch=5)
+    pg = ScriptedGroup(_head(7, 0, 0), _mask({7}, 7, -1), torch.tensor([len(hb), len(body)]), payload)
+    tier = PersistentTier(str(tmp_path / "none"), eng, pg, me, lambda *a, **k: None)
+    r = RestoreAgreement(pg, eng, me).run([LocalSlots(eng, None)], tier, fresh=True)
+    assert (r.step, r.source, r.nbytes, r.seated) == (7, "peer rank 0 (grown seat)", len(body), True)
+    assert torch.equal(w.t, torch.full((8,), 7.0)) and eng.available() == [7]
+    assert DonorBroadcast(eng, pg, me, [1]).offer() == set()  # it constrains nothing
+    eng.close()
