@@ -22,7 +22,7 @@ lint: setup
 	$(VENV)/bin/ruff check orchestrator agents recovery tests benchmarks examples
 
 bench: setup
-	$(PY) benchmarks/recovery.py --json benchmarks/out/recovery.json
+	$(PY) benchmarks/recovery_time.py --json benchmarks/out/recovery.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache

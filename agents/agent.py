@@ -6,10 +6,10 @@ node, reports a worker's death within a poll interval (0.1 s), kills a worker wh
 heartbeat stalls past ``hang_timeout``, and executes chaos commands addressed to it.
 
 Everything here runs on the agent's main thread. The background services (replica server,
-replicator, persister: :mod:`agents.node_services`) run on threads of their own and see the
-agent's state only as the :class:`~agents.node_view.NodeView` the loop publishes. The
-workers' life cycle and exit classification are in :mod:`agents.node_workers`, the chaos
-side effects in :mod:`agents.node_chaos`.
+replicator, persister: :mod:`hotspare.agents.node_services`) run on threads of their own and see the
+agent's state only as the :class:`~hotspare.agents.node_view.NodeView` the loop publishes. The
+workers' life cycle and exit classification are in :mod:`hotspare.agents.node_workers`, the chaos
+side effects in :mod:`hotspare.agents.node_chaos`.
 
 The agent installs no signal handler: its process entry point (``hotspare agent``) turns
 SIGTERM into :meth:`Agent.stop`.
@@ -26,8 +26,8 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
-from orchestrator.spec import JobSpec
-from orchestrator.store import (
+from hotspare.orchestrator.spec import JobSpec
+from hotspare.orchestrator.store import (
     EventKind,
     JobSnapshot,
     JobStore,

@@ -1,4 +1,4 @@
-"""The chaos actions a node agent carries out (``executor: agent`` in :mod:`orchestrator.chaos`).
+"""The chaos actions a node agent carries out (``executor: agent`` in :mod:`hotspare.orchestrator.chaos`).
 
 Which actions exist, what they target and their default durations are the table's; this
 module holds only their side effects on this node: killing or stopping a worker, slowing
@@ -13,8 +13,8 @@ import signal
 import time
 from collections.abc import Callable, Collection
 
-from orchestrator import chaos
-from orchestrator.store import EventKind, JobStore, Lease
+from hotspare.orchestrator import chaos
+from hotspare.orchestrator.store import EventKind, JobStore, Lease
 
 from .node_services import NodeServices
 from .node_workers import WorkerProc

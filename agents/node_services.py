@@ -3,7 +3,7 @@
 :class:`NodeServices` creates the run directory (the workers' snapshot slots, in shared
 memory), the replica server, the replicator and the persister, starts the ones the spec
 asks for and stops them again. The services never read the agent's fields: the agent's
-main loop publishes a :class:`~agents.node_view.NodeView` and they read the current one.
+main loop publishes a :class:`~hotspare.agents.node_view.NodeView` and they read the current one.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from orchestrator.spec import JobSpec
-from orchestrator.store import Node, World
-from orchestrator.util import pid_alive
+from hotspare.orchestrator.spec import JobSpec
+from hotspare.orchestrator.store import Node, World
+from hotspare.orchestrator.util import pid_alive
 
 from .node_view import Buddy, NodeView
 from .persist import Persister

@@ -9,14 +9,20 @@ sentence without touching anything, so every branch has a unit test.
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from .worker_link import EXIT_UNRECOVERABLE, Assignment, Heartbeat, WorkerEnv, fatal_path
+from .worker_link import (
+    EXIT_UNRECOVERABLE,
+    Assignment,
+    Heartbeat,
+    WorkerEnv,
+    fatal_path,
+    worker_command,
+)
 
 
 class WorkerState(str, Enum):
@@ -107,7 +113,7 @@ def heartbeat_path(run_dir: Path, slot: int) -> Path:
 
 
 def spawn_worker(slot: int, link: WorkerEnv, env: Mapping[str, str]) -> WorkerProc:
-    """Start a warm worker (``python -m agents.worker``) with its heartbeat file and log.
+    """Start a warm worker (:func:`~hotspare.agents.worker_link.worker_command`) with its heartbeat file and log.
 
     ``env`` is the environment around the contract (the agent's own, the job's ``env``);
     ``link`` is the contract itself, and wins over ``env``."""
@@ -116,7 +122,7 @@ def spawn_worker(slot: int, link: WorkerEnv, env: Mapping[str, str]) -> WorkerPr
     logf = open(Path(link.log_dir) / f"worker-{link.node}-slot{slot}.log", "ab")
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "agents.worker"],
+            worker_command(),
             stdin=subprocess.PIPE,
             stdout=logf,
             stderr=subprocess.STDOUT,

@@ -14,11 +14,11 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from orchestrator.spec import JobSpec
-from orchestrator.store import EventKind
-from orchestrator.util import PeriodicWorker
-from recovery import persist
-from recovery.slotfile import COMPLETE, WRITING, SlotDir, slot_ctrl
+from hotspare.orchestrator.spec import JobSpec
+from hotspare.orchestrator.store import EventKind
+from hotspare.orchestrator.util import PeriodicWorker
+from hotspare.recovery import persist
+from hotspare.recovery.slotfile import COMPLETE, WRITING, SlotDir, slot_ctrl
 
 from .node_view import NodeView
 

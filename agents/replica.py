@@ -1,12 +1,12 @@
 """Peer replicas: each agent serves and stores snapshots for its job, off the step path.
 
 * :class:`ReplicaStore` -- the snapshots on this node: its workers' slot files (named by
-  :class:`recovery.slotfile.SlotDir`) and the replicas its buddies pushed to it.
+  :class:`hotspare.recovery.slotfile.SlotDir`) and the replicas its buddies pushed to it.
 * :class:`ReplicaServer` answers ``list`` (which steps of a sid do you hold?), ``get``
   (send me sid s at step n) and ``put`` (keep this replica) over authenticated,
-  checksummed frames (:mod:`recovery.wire`). It serves the snapshot slots its own workers
+  checksummed frames (:mod:`hotspare.recovery.wire`). It serves the snapshot slots its own workers
   wrote -- also those of a worker that crashed: they live in shared memory -- and the
-  replicas its buddies pushed to it. The client side is :mod:`recovery.replica_client`.
+  replicas its buddies pushed to it. The client side is :mod:`hotspare.recovery.replica_client`.
 * :class:`Replicator` watches this node's point slots and pushes every newly completed
   point to the ``replicas`` next nodes in ring order, then confirms it to the worker. It
   always sends the newest complete point: if the link is slower than training,
@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from orchestrator.util import PeriodicWorker
-from recovery.replica_client import fetch, fetch_first, list_steps  # noqa: F401 - re-exported (deprecated here)
-from recovery.slotfile import (
+from hotspare.orchestrator.util import PeriodicWorker
+from hotspare.recovery.replica_client import fetch, fetch_first, list_steps  # noqa: F401 - re-exported (deprecated here)
+from hotspare.recovery.slotfile import (
     COMPLETE,
     SlotDir,
     read_slot,
@@ -38,7 +38,7 @@ from recovery.slotfile import (
     slot_steps,
     write_confirmation,
 )
-from recovery.wire import Channel, WireError, checksums, validate_snapshot
+from hotspare.recovery.wire import Channel, WireError, checksums, validate_snapshot
 
 from .node_view import Buddy, NodeView
 
@@ -112,7 +112,7 @@ class ReplicaStore:
 
     def save(self, header: dict, body: bytes) -> None:
         """Keep a peer's replica (``header["rank"]`` is its sid: the wire's name for it).
-        Written in pieces, not through :func:`orchestrator.util.atomic_write`, so that a
+        Written in pieces, not through :func:`hotspare.orchestrator.util.atomic_write`, so that a
         large body is never copied once more in memory; shared memory needs no fsync."""
         sid, step = int(header["rank"]), int(header["step"])
         hb = json.dumps(header, separators=(",", ":")).encode()

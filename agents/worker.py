@@ -1,17 +1,17 @@
 """A worker process: warm first, then one rank of the job until it finishes or dies.
 
-Started by its agent (``python -m agents.worker``) before any rank is known, with the
-environment of :class:`agents.worker_link.WorkerEnv`. It connects to etcd, imports torch and
+Started by its agent (``python -m hotspare.agents.worker``) before any rank is known, with the
+environment of :class:`hotspare.agents.worker_link.WorkerEnv`. It connects to etcd, imports torch and
 the job's entrypoint, marks itself warm, and blocks on one line on stdin: the
-:class:`~agents.worker_link.Assignment` ``{"rank", "epoch", "sid", "incarnation"}`` (the
+:class:`~hotspare.agents.worker_link.Assignment` ``{"rank", "epoch", "sid", "incarnation"}`` (the
 agent's registration at the time of the assignment, which may be newer than the worker).
 That warm start is what makes a swap fast: the spare's interpreter, torch and the user's
 module are already loaded.
 
-Exit codes (:mod:`agents.worker_link`): 0 finished (or left before an assignment), 1 the
+Exit codes (:mod:`hotspare.agents.worker_link`): 0 finished (or left before an assignment), 1 the
 training function raised, 2 the job has no spec in etcd, 3 fenced (its rank moved on
 without it), 4 unrecoverable (its state is gone everywhere; the reason is left in
-:func:`~agents.worker_link.fatal_path` for the agent to report).
+:func:`~hotspare.agents.worker_link.fatal_path` for the agent to report).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.store import JobStore, Store
+from hotspare.orchestrator.store import JobStore, Store
 
 from .worker_link import (
     EXIT_ERROR,
@@ -46,8 +46,8 @@ from .worker_link import (
 )
 
 if TYPE_CHECKING:
-    from orchestrator.spec import JobSpec
-    from recovery.session import Session
+    from hotspare.orchestrator.spec import JobSpec
+    from hotspare.recovery.session import Session
 
 __all__ = ["EXIT_FENCED", "EXIT_UNRECOVERABLE", "fatal_path", "load_entrypoint", "main", "prewarm_torch"]
 
@@ -74,6 +74,10 @@ def load_entrypoint(entrypoint: str) -> Callable:
         sys.modules[spec.name] = mod
         spec.loader.exec_module(mod)
     else:
+        # like `python -m`: the user's package is found from the current directory (the
+        # worker was started without it on the path, see worker_link.worker_command)
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
         mod = importlib.import_module(target)
     fn = getattr(mod, func, None)
     if not callable(fn):
@@ -98,7 +102,7 @@ def warm_up(env: WorkerEnv, hb: Heartbeat) -> tuple[Store, JobSpec, Callable] | 
     module and its own ``warmup``. None if the job has no spec (deleted under us)."""
     import torch  # the expensive part of warming up
 
-    import recovery.session  # noqa: F401 - the training library too, loaded before the assignment
+    import hotspare.recovery.session  # noqa: F401 - the training library too, loaded before the assignment
 
     torch.set_num_threads(env.threads)
     store = Store.from_env()
@@ -133,7 +137,7 @@ def redirect_output(log_dir: Path, rank: int, node: str) -> None:
 
 def run(fn: Callable, session: Session, spec: JobSpec, hb: Heartbeat) -> int:
     """Run the training function; map how it ended to the exit code the agent reads."""
-    from recovery.session import Fenced, Unrecoverable
+    from hotspare.recovery.session import Fenced, Unrecoverable
 
     try:
         fn(session, **spec.args)
@@ -173,7 +177,7 @@ def main() -> int:
     redirect_output(Path(env.log_dir), a.rank, env.node)
     logging.info("assigned rank %d at epoch %d", a.rank, a.epoch)
     hb.beat(-1, RUNNING)
-    from recovery.session import Session
+    from hotspare.recovery.session import Session
 
     session = Session(
         store=store,

@@ -21,10 +21,31 @@ import json
 import mmap
 import os
 import struct
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+#: The worker's module. It is started through :func:`worker_command`, never ``python -m``.
+WORKER_MODULE = "hotspare.agents.worker"
+
+#: ``python -m`` puts the current directory first on ``sys.path``: a user's ``hotspare.py``,
+#: ``yaml.py`` or ``torch/`` in the directory the job was started from would shadow our
+#: packages in the worker. This starts the module with that entry removed; the worker puts the
+#: entrypoint's own directory (or, for a module entrypoint, the current one) on the path only
+#: after hotspare and torch are loaded, as torchrun does for a script.
+_BOOT = ("import sys, os\n"
+         "if sys.path and sys.path[0] in ('', os.getcwd()):\n"
+         "    del sys.path[0]\n"
+         "import runpy\n"
+         "runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
+
+
+def worker_command(python: str | None = None) -> list[str]:
+    """The command line that starts a warm worker."""
+    return [python or sys.executable, "-c", _BOOT.format(module=WORKER_MODULE)]
+
 
 #: Exit codes of a worker process.
 EXIT_OK = 0  # finished every step

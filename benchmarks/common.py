@@ -25,15 +25,56 @@ OUT = REPO / "benchmarks" / "out"
 
 
 def base_parser(doc: str, json_name: str, trials_help: str) -> argparse.ArgumentParser:
-    """The flags every benchmark shares: --trials N and --json PATH."""
+    """The flags every benchmark shares: --trials N, --json PATH and --smoke."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--trials", type=int, default=5, help=trials_help)
-    p.add_argument("--json", default=str(OUT / json_name), help="where to write the results")
+    p.add_argument("--json", default=str(OUT / json_name),
+                   help="where to write the results (with --smoke: a temp file unless given)")
+    p.add_argument("--smoke", action="store_true",
+                   help="a few seconds of work that still exercises every run of the benchmark (tiny sizes, "
+                   "one trial; `make test` runs it): checks the benchmark works, its numbers mean nothing. "
+                   "Flags given with it still win")
+    p.set_defaults(_json_name=json_name)
     return p
 
-if str(REPO) not in sys.path:  # `python benchmarks/x.py` from anywhere: import the project
-    sys.path.insert(0, str(REPO))
+
+def parse_args_smoke(p: argparse.ArgumentParser, argv: list[str] | None,
+                     smoke: dict[str, Any]) -> argparse.Namespace:
+    """Parse ``argv`` with ``p`` (made by :func:`base_parser`); with ``--smoke``, ``smoke``
+    replaces the defaults (flags given explicitly still win) and ``--json`` defaults to a new
+    temp file, so that a smoke run never overwrites a result in benchmarks/out/."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--smoke", action="store_true")
+    known, _ = pre.parse_known_args(argv)
+    if known.smoke:
+        p.set_defaults(trials=1, json=None, **smoke)
+    a = p.parse_args(argv)
+    if a.smoke and a.json is None:
+        fd, path = tempfile.mkstemp(prefix="hotspare-smoke-", suffix="-" + a._json_name)
+        os.close(fd)
+        a.json = path
+    return a
+
+
+def finish(benchmark: str, problems: Sequence[str]) -> int:
+    """The exit code of a benchmark: 0 when nothing went wrong, else 1 after one line per problem
+    (each names the run and what went wrong) on stderr."""
+    for pr in problems:
+        print(f"{benchmark}: FAILED: {pr}", file=sys.stderr, flush=True)
+    if problems:
+        print(f"{benchmark}: {len(problems)} problem(s); exit code 1", file=sys.stderr, flush=True)
+    return 1 if problems else 0
+
+
+def import_gpt():
+    """``examples/gpt.py`` (the demo workload) as the module ``gpt``."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import gpt
+
+    return gpt
+
 
 
 # -- machine and statistics -------------------------------------------------------------------
@@ -106,11 +147,11 @@ def shm_base() -> Path:
 # -- a private cluster ------------------------------------------------------------------------
 class BenchCluster:
     """A private etcd on a free loopback port plus one controller; runs jobs with
-    ``python -m orchestrator.cli run SPEC --json`` and cleans up after each one (leftover
+    ``python -m hotspare.orchestrator.cli run SPEC --json`` and cleans up after each one (leftover
     agents killed, their /dev/shm run directories removed)."""
 
     def __init__(self, workdir: Path | None = None, controller_ttl: float = 2.0, keep: bool = False) -> None:
-        from orchestrator.etcd_server import start_etcd
+        from hotspare.orchestrator.etcd_server import start_etcd
 
         self.keep = keep
         self.tmp = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hotspare-bench-"))
@@ -119,15 +160,13 @@ class BenchCluster:
         self.endpoint = self.etcd.endpoint
         self.env = dict(os.environ, HOTSPARE_ETCD=self.endpoint, HOTSPARE_STATE_DIR=str(self.tmp / "state"),
                         PYTHONUNBUFFERED="1")
-        pp = self.env.get("PYTHONPATH")
-        self.env["PYTHONPATH"] = str(REPO) + (os.pathsep + pp if pp else "")
         self.procs: list[subprocess.Popen] = []
         self.jobs: list[str] = []
         self.controller = self._spawn("controller", "--leader-ttl", str(controller_ttl), log="controller.log")
 
     def _spawn(self, *args: str, log: str) -> subprocess.Popen:
         with open(self.tmp / log, "ab") as f:
-            p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], env=self.env, stdout=f,
+            p = subprocess.Popen([sys.executable, "-m", "hotspare.orchestrator.cli", *args], env=self.env, stdout=f,
                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                  cwd=self.tmp)
         self.procs.append(p)
@@ -157,7 +196,7 @@ class BenchCluster:
         t0 = time.monotonic()
         events: list = []
         try:
-            r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", str(path), "--json",
+            r = subprocess.run([sys.executable, "-m", "hotspare.orchestrator.cli", "run", str(path), "--json",
                                 "--timeout", str(int(timeout))],
                                env=self.env, capture_output=True, text=True, timeout=timeout + 60, cwd=self.tmp)
             out, err = r.stdout, r.stderr
@@ -176,7 +215,7 @@ class BenchCluster:
 
     def events(self, name: str) -> dict[str, Any] | None:
         """``hotspare events NAME --json`` (every event and the recovery breakdowns), or None."""
-        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "events", name, "--json"], env=self.env,
+        r = subprocess.run([sys.executable, "-m", "hotspare.orchestrator.cli", "events", name, "--json"], env=self.env,
                            capture_output=True, text=True, timeout=60, cwd=self.tmp)
         try:
             return json.loads(r.stdout.strip().splitlines()[-1])
@@ -204,7 +243,7 @@ class BenchCluster:
             shutil.rmtree(d, ignore_errors=True)
 
     def close(self) -> None:
-        from orchestrator.etcd_server import stop_pid
+        from hotspare.orchestrator.etcd_server import stop_pid
 
         for name in self.jobs:
             self._reap_job(name, grace=0)
@@ -233,6 +272,6 @@ class BenchCluster:
 
 
 def _alive(pid: int) -> bool:
-    from orchestrator.etcd_server import pid_alive
+    from hotspare.orchestrator.etcd_server import pid_alive
 
     return pid_alive(pid)

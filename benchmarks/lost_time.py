@@ -30,7 +30,7 @@ on the same host:
   before its first step) to the controller's ``succeeded`` event (it follows the first rank's
   done-mark, which each rank writes after its last step, its final-state write and the final
   barrier; so all ranks are past their last step), read with
-  ``python -m orchestrator.cli events JOB --json``. (The ranks' own ``finished`` events would
+  ``python -m hotspare.orchestrator.cli events JOB --json``. (The ranks' own ``finished`` events would
   be a few ms closer, but the agents SIGTERM workers as soon as the job is ``succeeded``, so
   some of them are lost; the extra tens of ms count against hotspare, equally in both runs.)
 * torchrun: the span from the newest ``a0-r*-start.json`` record (written by each worker of
@@ -66,6 +66,7 @@ longer); for hotspare the entrypoint is then this file's ``hotspare_train``, whi
 
     .venv/bin/python benchmarks/lost_time.py --trials 5
     .venv/bin/python benchmarks/lost_time.py --trials 1 --steps 60 --fail-step 30   # quick check
+    .venv/bin/python benchmarks/lost_time.py --smoke   # all five runs, tiny and short: does it work?
 """
 
 from __future__ import annotations
@@ -79,17 +80,21 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 from common import (
     EXAMPLES,
-    REPO,
     BenchCluster,
     base_parser,
+    finish,
     fmt,
+    import_gpt,
     machine_info,
+    parse_args_smoke,
     summarize,
     table,
     write_json,
@@ -103,6 +108,10 @@ AIM_RATIO = 0.2  # hotspare loses at most 1/5 of what torchrun loses per failure
 # span is the 'succeeded' event, which comes after every rank's last step.
 END_NOTE = "hotspare end = 'succeeded' event (ranks' 'finished' events can be lost when agents exit)"
 SYSTEMS = ("hotspare_nofail", "hotspare_fail", "torchrun_nofail", "torchrun_fail", "plain")
+#: --smoke: all five runs once, 2 ranks, a tiny model, a few steps (a checkpoint before and after
+#: the failure), short timeouts
+SMOKE = {"ranks": 2, "steps": 12, "fail_step": 7, "K": 3, "n_layer": 1, "n_embd": 32,
+         "hang_timeout": 10.0, "run_timeout": 240.0}
 
 
 # -- hotspare entrypoint for --step-sleep (runs inside hotspare's workers) ---------------------
@@ -122,12 +131,7 @@ class _SleepySession:
             time.sleep(self._step_sleep)
 
 
-def _gpt():
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    import gpt
-
-    return gpt
+_gpt = import_gpt
 
 
 def hotspare_train(session: Any, step_sleep: float = 0.0, **args: Any) -> None:
@@ -158,7 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", default=",".join(SYSTEMS),
                    help="comma-separated subset of the runs per trial (default: all five)")
     p.add_argument("--workdir", help="keep etcd data, specs, logs and records here (default: a temp dir, removed)")
-    a = p.parse_args(argv)
+    a = parse_args_smoke(p, argv, SMOKE)
     a.runs = [r.strip().replace("-", "_") for r in a.runs.split(",") if r.strip()]
     bad = [r for r in a.runs if r not in SYSTEMS]
     if bad or not a.runs:
@@ -281,8 +285,6 @@ def run_torchrun(a: argparse.Namespace, workdir: Path, name: str, *, ckpt: bool,
     for k, v in gpt_args(a).items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-    pp = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + pp if pp else "")
     d.mkdir(parents=True, exist_ok=True)
     log = d / "torchrun.log"
     rec: dict[str, Any] = {"run": name, "checkpoint_every": a.K if ckpt else None, "max_restarts": max_restarts}
@@ -361,7 +363,7 @@ def final_params(rec: dict[str, Any], ranks: int) -> dict[int, dict[str, Any]] |
 
     try:
         if "output_dir" in rec:
-            from recovery.final import load_final
+            from hotspare.recovery.final import load_final
 
             pre = "model.params/"
             hs = load_final(rec["output_dir"])
@@ -407,6 +409,25 @@ def paired(trials: list[dict[str, Any]], x: str, y: str, key: str, op: str) -> l
     return vals
 
 
+def problems_of(trials: list[dict[str, Any]], runs: list[str]) -> list[str]:
+    """One line per problem, naming the trial and run: a run that failed or did not run, and a
+    run whose final parameters differ from the others' (all train the same thing)."""
+    out = [] if trials else ["no trial ran"]
+    for t in trials:
+        for k in runs:
+            if k not in t:
+                out.append(f"trial {t['trial']} {k}: did not run")
+            elif not t[k].get("ok"):
+                out += [f"trial {t['trial']} {k}: {pr}" for pr in t[k].get("problems") or ["not ok"]]
+        same = t.get("identical_final_params") or {}
+        for k, v in same.items():
+            if k == "reference" or v:
+                continue
+            why = "differ from" if v is False else "could not be compared with"
+            out.append(f"trial {t['trial']} {k}: final parameters {why} {same['reference']}'s")
+    return out
+
+
 def med(vals: list[float]) -> float | None:
     return round(statistics.median(vals), 3) if vals else None
 
@@ -419,8 +440,16 @@ def main(argv: list[str] | None = None) -> int:
           f"step {a.fail_step}; torchrun checkpoints every K={a.K} steps"
           + (f"; +{a.step_sleep:g}s per step" if a.step_sleep else "")
           + f"; {info['cpu_count']} CPUs, torch {info['torch']}", flush=True)
-    cluster = LostTimeCluster(Path(a.workdir) if a.workdir else None, keep=bool(a.workdir))
-    trdir = cluster.tmp / "torchrun"
+    cluster: LostTimeCluster | None = None
+    scratch: Path | None = None
+    if any(k.startswith("hotspare") for k in a.runs):
+        cluster = LostTimeCluster(Path(a.workdir) if a.workdir else None, keep=bool(a.workdir))
+        trdir = cluster.tmp / "torchrun"
+    elif a.workdir:  # torchrun runs only: no etcd or controller needed
+        trdir = Path(a.workdir) / "torchrun"
+    else:
+        scratch = Path(tempfile.mkdtemp(prefix="hotspare-bench-"))
+        trdir = scratch / "torchrun"
     trials: list[dict[str, Any]] = []
     try:
         for t in range(a.trials):
@@ -439,7 +468,11 @@ def main(argv: list[str] | None = None) -> int:
             if t % 2:
                 order.reverse()  # spread slow drift of the machine's load over all runs
             for key in order:
-                rec = runs[key]()
+                try:
+                    rec = runs[key]()
+                except Exception as e:  # one broken run must not hide the others' results
+                    rec = {"ok": False, "problems": [f"raised {type(e).__name__}: {e}"],
+                           "log_tail": traceback.format_exc()}
                 trial[key] = rec
                 extra = ""
                 if "recovery_total_s" in rec:
@@ -458,7 +491,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; writing what was measured", file=sys.stderr)
     finally:
-        cluster.close()
+        if cluster is not None:
+            cluster.close()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     hs_lost = paired(trials, "hotspare_fail", "hotspare_nofail", "span_s", "-")
     tr_lost = paired(trials, "torchrun_fail", "torchrun_nofail", "span_s", "-")
@@ -486,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     tr_res = med([t["torchrun_fail"]["kill_to_resume_s"] for t in trials
                   if t.get("torchrun_fail", {}).get("kill_to_resume_s") is not None])
     rows = [
-        ["hotspare (4+1 spare)", m("hotspare_nofail", "span_s"), m("hotspare_fail", "span_s"), fmt(hs_l, 2),
+        [f"hotspare ({a.ranks}+1 spare)", m("hotspare_nofail", "span_s"), m("hotspare_fail", "span_s"), fmt(hs_l, 2),
          fmt(hs_rec, 2) + " (fail->all resumed)", fmt(hs_lw, 2)],
         [f"torchrun (ckpt K={a.K})", m("torchrun_nofail", "span_s"), m("torchrun_fail", "span_s"), fmt(tr_l, 2),
          fmt(tr_res, 2) + " (kill->resumed)", fmt(tr_lw, 2)],
@@ -512,9 +548,13 @@ def main(argv: list[str] | None = None) -> int:
     if losses:
         print(f"torchrun resume exact (final loss with failure == without, every trial): {exact}")
 
+    problems = problems_of(trials, a.runs)
     result: dict[str, Any] = {
         "benchmark": "lost_time",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "smoke": a.smoke,
+        "ok": not problems,
+        "problems": problems,
         "hotspare_lost_s": hs_l,
         "torchrun_lost_s": tr_l,
         "ratio": ratio,
@@ -551,8 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     path = write_json(a.json, result)
     print(f"\nwrote {path}")
-    ok = bool(trials) and all(t.get(k, {}).get("ok") for t in trials for k in a.runs)
-    return 0 if ok else 1
+    return finish("lost_time", problems)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
     optimizer's step pre-hook and ``engine.capture(step)`` after every step -- versus the
     same loop without the engine. With ``--replication process`` (the default, matching a
     default spec: ``replicas: 1``, ``replicate_every: 10``) an agent stand-in process runs
-    the real ``agents.replica.Replicator``, pushing every replication point to a buddy
+    the real ``hotspare.agents.replica.Replicator``, pushing every replication point to a buddy
     ``ReplicaServer`` over loopback and confirming it, as a node agent would.
     After one untimed run of the workload, paired trials alternate which mode runs first;
     each run rebuilds the workload from the same seed, warms up, then times ``--steps`` steps. Ratio = median over trials of
@@ -17,6 +17,7 @@
     /dev/shm, timed in a third loop of the same trial. Ratio of medians over all steps.
 
     .venv/bin/python benchmarks/overhead.py --trials 5
+    .venv/bin/python benchmarks/overhead.py --smoke   # both replication modes, tiny and short: does it work?
 """
 
 from __future__ import annotations
@@ -31,23 +32,42 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
-from common import base_parser, fmt, machine_info, shm_base, table, write_json
+from common import (
+    base_parser,
+    finish,
+    fmt,
+    import_gpt,
+    machine_info,
+    parse_args_smoke,
+    shm_base,
+    table,
+    write_json,
+)
 
 AIM_RATIO = 1.03
 AIM_STALL = 0.05
+#: --smoke: both replication modes, one trial of a few steps (replication points included) of a
+#: tiny model
+SMOKE = {"steps": 10, "warmup": 2, "replication": "both", "replicate_every": 5, "replication_timeout": 30.0,
+         "n_layer": 1, "n_embd": 32}
+REPLICATION_MODES = {"process": ["process"], "none": ["none"], "both": ["process", "none"]}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = base_parser(__doc__, "overhead.json", "paired on/off trials")
     p.add_argument("--steps", type=int, default=200, help="timed steps per mode per trial")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps before each timed run")
-    p.add_argument("--replication", choices=["process", "none"], default="process",
+    p.add_argument("--replication", choices=list(REPLICATION_MODES), default="process",
                    help="process: an agent stand-in replicates points to a buddy over loopback; "
-                   "none: snapshots only (replicate_every 0)")
+                   "none: snapshots only (replicate_every 0); both: the whole benchmark once with each "
+                   "(the JSON's top level is process's, by_replication has both)")
     p.add_argument("--replicate-every", type=int, default=10, help="spec replicate_every")
+    p.add_argument("--replication-timeout", type=float, default=120.0,
+                   help="the engine's wait for a point's replication (a run that waited this long fails)")
     p.add_argument("--slots", type=int, default=2, help="spec snapshot_slots")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     # the demo workload's defaults (configs/demo.yaml passes no args)
@@ -57,9 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--_replicator", metavar="DIR", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    if a.trials < 1 or a.steps < 1 or a.warmup < 0:
-        p.error("--trials and --steps must be >= 1, --warmup >= 0")
+    a = parse_args_smoke(p, argv, SMOKE)
+    if a.trials < 1 or a.steps < 1 or a.warmup < 0 or a.replicate_every < 1:
+        p.error("--trials, --steps and --replicate-every must be >= 1, --warmup >= 0")
     return a
 
 
@@ -67,8 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def replicator_main(snap_dir: str) -> int:
     """Serve as this rank's node agent: push points from ``snap_dir`` to a buddy and confirm
     them. Prints the buddy port, runs until stdin closes, then prints what it shipped."""
-    from agents.node_view import NodeView
-    from agents.replica import ReplicaServer, ReplicaStore, Replicator
+    from hotspare.agents.node_view import NodeView
+    from hotspare.agents.replica import ReplicaServer, ReplicaStore, Replicator
 
     secret = os.urandom(32)
     buddy_dir = Path(tempfile.mkdtemp(prefix="hotspare-bench-buddy-", dir=shm_base()))
@@ -86,17 +106,39 @@ def replicator_main(snap_dir: str) -> int:
 
 class AgentStandIn:
     def __init__(self, snap_dir: Path) -> None:
+        self.err = tempfile.TemporaryFile()  # its stderr, for the problem report
         self.proc = subprocess.Popen([sys.executable, __file__, "--_replicator", str(snap_dir)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True)
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError("the replicator stand-in did not start")
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"the replicator stand-in did not start (exit code {self.proc.returncode}): "
+                               f"{self.stderr_tail()}")
         self.port = json.loads(line)["port"]
 
+    def stderr_tail(self) -> str:
+        self.err.seek(0)
+        return self.err.read().decode(errors="replace")[-2000:].strip()
+
     def stop(self) -> dict[str, Any]:
-        out, _ = self.proc.communicate(timeout=30)
-        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-        return json.loads(lines[-1]) if lines else {}
+        """Stop it; what it shipped. Raises if it failed."""
+        try:
+            try:
+                out, _ = self.proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise RuntimeError("the replicator stand-in did not stop within 30s") from None
+            if self.proc.returncode != 0:
+                raise RuntimeError(f"the replicator stand-in exited with {self.proc.returncode}: "
+                                   f"{self.stderr_tail()}")
+            lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+            if not lines:
+                raise RuntimeError("the replicator stand-in reported nothing")
+            return json.loads(lines[-1])
+        finally:
+            self.err.close()
 
 
 # -- the workload -----------------------------------------------------------------------------
@@ -104,12 +146,10 @@ def build_workload(a: argparse.Namespace):
     import numpy as np
     import torch
 
-    from examples.gpt import build
-
     torch.use_deterministic_algorithms(True)
     random.seed(1234)
     np.random.seed(1234)
-    return build(n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head, block_size=a.block_size,
+    return import_gpt().build(n_layer=a.n_layer, n_embd=a.n_embd, n_head=a.n_head, block_size=a.block_size,
                  batch_size=a.batch_size)
 
 
@@ -149,14 +189,23 @@ def run_off(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_on(a: argparse.Namespace) -> dict[str, Any]:
-    from recovery.snapshot import SnapshotEngine
-    from recovery.state import RNGState, provider_for
+    from hotspare.recovery.snapshot import SnapshotEngine
+    from hotspare.recovery.state import RNGState, provider_for
 
     model, opt, sched, data = build_workload(a)
     snap_dir = Path(tempfile.mkdtemp(prefix="hotspare-bench-snap-", dir=shm_base()))
-    agent = AgentStandIn(snap_dir) if a.replication == "process" else None
-    every = a.replicate_every if agent else 0
-    engine = SnapshotEngine(snap_dir, 0, slots=a.slots, replicate_every=every)
+    agent = None
+    try:
+        agent = AgentStandIn(snap_dir) if a.replication == "process" else None
+        every = a.replicate_every if agent else 0
+        engine = SnapshotEngine(snap_dir, 0, slots=a.slots, replicate_every=every,
+                                replication_timeout=a.replication_timeout)
+    except BaseException:
+        if agent:
+            agent.proc.kill()
+            agent.proc.wait()
+        shutil.rmtree(snap_dir, ignore_errors=True)
+        raise
     engine.providers = [("rng", RNGState())]
     for name, obj in (("model", model), ("optimizer", opt), ("scheduler", sched), ("data", data)):
         engine.providers += provider_for(name, obj)
@@ -191,9 +240,22 @@ def run_on(a: argparse.Namespace) -> dict[str, Any]:
         replication_wait = engine.replication_wait_s
     finally:
         engine.close()
-        if agent:
-            repl = agent.stop()
-        shutil.rmtree(snap_dir, ignore_errors=True)
+        try:
+            if agent:
+                repl = agent.stop()
+        finally:
+            shutil.rmtree(snap_dir, ignore_errors=True)
+    if agent:
+        # a point is written only once the previous one is confirmed: by the end, every point but
+        # the newest must be (the newest may still be in flight when the stand-in stops)
+        points = [s for s in range(-1, a.warmup + a.steps) if engine.is_point(s)]
+        need = points[-2] if len(points) > 1 else None
+        got = (repl.get("confirmed") or [None])[0]
+        if need is not None and (got is None or got < need):
+            raise RuntimeError(f"replication: newest confirmed point {got}, expected >= {need}")
+        if replication_wait >= a.replication_timeout:
+            raise RuntimeError(f"replication: training waited {replication_wait:.0f}s in all for points to be "
+                               f"replicated (timeout {a.replication_timeout:g}s per point)")
     return {"step_s": steps, "capture_s": capture, "hook_wait_s": wait,
             "stall_s": [c + w for c, w in zip(capture, wait, strict=True)], "state_bytes": state_bytes,
             "replication_wait_s": replication_wait, "replication": repl}
@@ -242,27 +304,35 @@ def rounded(xs: list[float]) -> list[float]:
     return [round(x, 7) for x in xs]
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    if a._replicator:
-        return replicator_main(a._replicator)
-    import torch
+MODE_NAMES = {"off": "snapshots off (baseline)", "on": "snapshots on", "save": "torch.save (baseline)"}
 
-    torch.set_num_threads(a.threads)
-    info = machine_info()
-    print(f"overhead benchmark: {a.trials} paired trial(s) x {a.steps} steps (+{a.warmup} warmup); gpt n_layer "
-          f"{a.n_layer} n_embd {a.n_embd} block {a.block_size} batch {a.batch_size}; replication {a.replication}; "
-          f"{a.threads} torch thread(s); {info['cpu_count']} CPUs, torch {info['torch']}", flush=True)
 
-    # one untimed run first, so that whichever mode the first trial times is not also paying
-    # for the process's first use of the workload (lazy initialisation, allocator growth)
-    run_off(argparse.Namespace(**{**vars(a), "steps": max(1, a.warmup)}))
+def run_trials(a: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
+    """The paired trials of one replication mode; (trials that completed, problems)."""
+    tag = f"replication {a.replication}"
+    problems = []
+    try:
+        # one untimed run first, so that whichever mode the first trial times is not also paying
+        # for the process's first use of the workload (lazy initialisation, allocator growth)
+        run_off(argparse.Namespace(**{**vars(a), "steps": max(1, a.warmup)}))
+    except Exception as e:
+        problems.append(f"{tag}, untimed first run: {type(e).__name__}: {e}")
+        traceback.print_exc()
     trials = []
     for t in range(a.trials):
         order = ("off", "on") if t % 2 == 0 else ("on", "off")
         res: dict[str, Any] = {"trial": t, "order": [*order, "save"]}
+        failed = False
         for mode in (*order, "save"):
-            res[mode] = {"off": run_off, "on": run_on, "save": run_save}[mode](a)
+            try:
+                res[mode] = {"off": run_off, "on": run_on, "save": run_save}[mode](a)
+            except Exception as e:  # a failed mode must not hide the others' results
+                failed = True
+                problems.append(f"{tag}, trial {t}, {MODE_NAMES[mode]}: {type(e).__name__}: {e}")
+                print(f"  trial {t} {MODE_NAMES[mode]}: FAILED: {type(e).__name__}: {e}", flush=True)
+                traceback.print_exc()
+        if failed:
+            continue
         on_m, off_m = med(res["on"]["step_s"]), med(res["off"]["step_s"])
         res["ratio"] = on_m / off_m
         res["mean_ratio"] = statistics.fmean(res["on"]["step_s"]) / statistics.fmean(res["off"]["step_s"])
@@ -270,7 +340,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  trial {t} ({'/'.join(order)}): step on {on_m * 1e3:.3f} ms, off {off_m * 1e3:.3f} ms, "
               f"ratio {res['ratio']:.4f}; stall {med(res['on']['stall_s']) * 1e3:.3f} ms, "
               f"torch.save {med(res['save']['torch_save_s']) * 1e3:.3f} ms", flush=True)
+    return trials, problems
 
+
+def report(a: argparse.Namespace, trials: list[dict[str, Any]], problems: list[str]) -> dict[str, Any]:
+    """Print one replication mode's table and aims; its result for the JSON."""
+    result: dict[str, Any] = {
+        "benchmark": "overhead",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "smoke": a.smoke,
+        "ok": not problems,
+        "problems": problems,
+        "config": {"trials": a.trials, "steps": a.steps, "warmup": a.warmup, "replication": a.replication,
+                   "replicate_every": a.replicate_every if a.replication == "process" else 0,
+                   "snapshot_slots": a.slots, "torch_threads": a.threads, "snapshot_dir": str(shm_base()),
+                   "workload": {"entrypoint": "examples/gpt.py:build", "n_layer": a.n_layer, "n_embd": a.n_embd,
+                                "n_head": a.n_head, "block_size": a.block_size, "batch_size": a.batch_size}},
+    }
+    if not trials:
+        print(f"\nreplication {a.replication}: no trial completed")
+        result.update({"step_time_ratio": None, "stall_vs_torch_save": None, "trials": []})
+        return result
     on_steps = [x for r in trials for x in r["on"]["step_s"]]
     off_steps = [x for r in trials for x in r["off"]["step_s"]]
     save_steps = [x for r in trials for x in r["save"]["step_s"]]
@@ -298,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
          fmt(pct(tsave_full, .99) * ms)],
     ]
     print()
+    print(f"replication {a.replication}:")
     print(table(["per step", "median ms", "mean ms", "p99 ms"], rows))
     print(f"\nstate: {state_mb:.3f} MB of tensors in a snapshot; torch.save file {file_mb:.3f} MB")
     repl = [r["on"]["replication"] for r in trials]
@@ -312,9 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"stall_vs_torch_save (median stall / median torch.save): {stall_ratio:.4f} "
           f"({stall_ratio * 100:.1f}%)   aim <= {AIM_STALL:.0%} -> {'met' if stall_ok else 'NOT met'}")
 
-    result = {
-        "benchmark": "overhead",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    result.update({
         "step_time_ratio": ratio,
         "stall_vs_torch_save": stall_ratio,
         "stall_vs_state_dict_plus_torch_save": med(stall) / med(tsave_full),
@@ -330,12 +419,6 @@ def main(argv: list[str] | None = None) -> int:
         },
         "state_mb": state_mb,
         "torch_save_file_mb": file_mb,
-        "config": {"trials": a.trials, "steps": a.steps, "warmup": a.warmup, "replication": a.replication,
-                   "replicate_every": a.replicate_every if a.replication == "process" else 0,
-                   "snapshot_slots": a.slots, "torch_threads": a.threads, "snapshot_dir": str(shm_base()),
-                   "workload": {"entrypoint": "examples/gpt.py:build", "n_layer": a.n_layer, "n_embd": a.n_embd,
-                                "n_head": a.n_head, "block_size": a.block_size, "batch_size": a.batch_size}},
-        "machine": info,
         "trials": [
             {"trial": r["trial"], "order": r["order"], "ratio": r["ratio"], "mean_ratio": r["mean_ratio"],
              "off_step_s": rounded(r["off"]["step_s"]), "on_step_s": rounded(r["on"]["step_s"]),
@@ -345,10 +428,39 @@ def main(argv: list[str] | None = None) -> int:
              "save_torch_save_s": rounded(r["save"]["torch_save_s"])}
             for r in trials
         ],
-    }
+    })
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a._replicator:
+        return replicator_main(a._replicator)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    info = machine_info()
+    modes = REPLICATION_MODES[a.replication]
+    print(f"overhead benchmark: {a.trials} paired trial(s) x {a.steps} steps (+{a.warmup} warmup); gpt n_layer "
+          f"{a.n_layer} n_embd {a.n_embd} block {a.block_size} batch {a.batch_size}; replication "
+          f"{' and '.join(modes)}; {a.threads} torch thread(s); {info['cpu_count']} CPUs, torch {info['torch']}",
+          flush=True)
+    results = []
+    for mode in modes:
+        am = argparse.Namespace(**{**vars(a), "replication": mode})
+        if len(modes) > 1:
+            print(f"replication {mode}:", flush=True)
+        trials, problems = run_trials(am)
+        results.append(report(am, trials, problems))
+    # the top level is the first mode's result (the only one unless --replication both)
+    result = dict(results[0])
+    problems = [pr for r in results for pr in r["problems"]]
+    result.update({"ok": not problems, "problems": problems, "machine": info})
+    if len(results) > 1:
+        result["by_replication"] = {r["config"]["replication"]: r for r in results}
     path = write_json(a.json, result)
     print(f"\nwrote {path}")
-    return 0
+    return finish("overhead", problems)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recovery.sampler import ElasticSampler
+from hotspare import ElasticSampler
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
@@ -61,7 +61,7 @@ class TokenStream:
     """Deterministic, resumable batches of (x, y) windows over a token tensor.
 
     A sample is a window start offset (``x = t[s:s+T]``, ``y = t[s+1:s+T+1]``); which
-    samples a rank reads is :class:`recovery.sampler.ElasticSampler`'s business: each
+    samples a rank reads is :class:`hotspare.ElasticSampler`'s business: each
     epoch is a permutation of the first ``num_samples`` start offsets (all of them by
     default) seeded with ``seed + epoch``, a step consumes ``batch_size * world_size``
     consecutive entries from the global position, rank ``r`` takes the ``r``-th block of

@@ -1,8 +1,8 @@
 """``hotspare``: submit, watch and break fault-tolerant training jobs.
 
-The entry point (``hotspare = orchestrator.cli:main``, ``python -m orchestrator.cli``): the
+The entry point (``hotspare = hotspare.orchestrator.cli:main``, ``python -m hotspare.orchestrator.cli``): the
 parser and the mapping of errors to one line and exit code 2. The subcommands live in
-:mod:`orchestrator.commands`, one module per area.
+:mod:`hotspare.orchestrator.commands`, one module per area.
 
 Where is etcd? ``--etcd URL[,URL]`` or ``$HOTSPARE_ETCD``; otherwise the embedded cluster
 recorded under ``--state-dir`` (``$HOTSPARE_STATE_DIR``, default ``~/.hotspare``).
@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from recovery.persist import CheckpointError
+from hotspare.recovery.persist import CheckpointError
 
 from .commands import chaos, checkpoint, cluster, jobs, observe
 from .commands.chaos import AGENT_ACTIONS, ALL_ACTIONS, inject

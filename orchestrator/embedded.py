@@ -63,7 +63,7 @@ def load(state_dir: Path) -> Cluster | None:
 
 def start_controller(endpoint: str, state_dir: Path, leader_ttl: float = LEADER_TTL) -> int:
     """A controller daemon for every job in the embedded etcd; returns its pid."""
-    cmd = [sys.executable, "-m", "orchestrator.cli", "controller", "--etcd", endpoint,
+    cmd = [sys.executable, "-m", "hotspare.orchestrator.cli", "controller", "--etcd", endpoint,
            "--leader-ttl", str(leader_ttl)]
     with open(state_dir / "controller.log", "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

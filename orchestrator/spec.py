@@ -11,10 +11,10 @@ Why this module exists and looks the way it does:
 * It must be importable by light-weight processes (the controller, the CLI) that never touch a
   GPU, so it depends only on the standard library and PyYAML -- never on torch.
 
-The module is the public face of three: :mod:`orchestrator.spec_model` holds the dataclasses
-(re-exported here), :mod:`orchestrator.spec_fields` the validator of each scalar and section,
+The module is the public face of three: :mod:`hotspare.orchestrator.spec_model` holds the dataclasses
+(re-exported here), :mod:`hotspare.orchestrator.spec_fields` the validator of each scalar and section,
 and this one the loading API, the order in which the fields are checked, and the chaos
-schedule, checked against :mod:`orchestrator.chaos` (the one table of actions, whose names
+schedule, checked against :mod:`hotspare.orchestrator.chaos` (the one table of actions, whose names
 this module re-exports).
 """
 
@@ -338,10 +338,10 @@ def _parse_run(data: Mapping[str, Any], base_dir: str, *, ranks: int, steps: int
     return out
 
 
-# ---- the chaos schedule: checked against orchestrator.chaos's table of actions ----------
+# ---- the chaos schedule: checked against hotspare.orchestrator.chaos's table of actions ----------
 
 #: Actions whose scheduled entries take ``seconds`` (a duration, or for slow-rank a per-step
-#: delay): the timed ones of :mod:`orchestrator.chaos` that act on a rank or node. A scheduled
+#: delay): the timed ones of :mod:`hotspare.orchestrator.chaos` that act on a rank or node. A scheduled
 #: control-plane action takes no target and no seconds (restart-etcd uses its default
 #: duration; ``hotspare chaos --seconds`` sets one by hand).
 _SCHEDULED_TIMED_ACTIONS: tuple[str, ...] = tuple(
@@ -417,7 +417,7 @@ def _parse_chaos_node(value: Any, where: str) -> str | None:
 
 
 def _check_chaos_targets(action: str, rank: int | None, node: str | None, where: str) -> None:
-    """Which targets each action takes (its ``target`` in :mod:`orchestrator.chaos`). Extra
+    """Which targets each action takes (its ``target`` in :mod:`hotspare.orchestrator.chaos`). Extra
     targets are errors because they suggest the user meant a different action (kill-rank
     with node: probably meant kill-node)."""
     target = chaos.ACTIONS[action].target

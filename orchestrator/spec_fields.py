@@ -1,6 +1,6 @@
 """How each field of a job spec is checked: the validators behind ``spec.parse_spec``.
 
-Part of :mod:`orchestrator.spec` (use that module's API; these functions are its parts). Every
+Part of :mod:`hotspare.orchestrator.spec` (use that module's API; these functions are its parts). Every
 check raises :class:`SpecError` naming the field, the bad value and the fix; the messages are
 the user interface, and tests/unit/test_spec.py pins many of them. Standard library only.
 """

@@ -1,7 +1,7 @@
 """What a job spec is: the frozen dataclasses every process shares, and their JSON form.
 
-Part of :mod:`orchestrator.spec` (import the names from there). Split out so that the field
-validators (:mod:`orchestrator.spec_fields`) can build these types while ``spec`` keeps the
+Part of :mod:`hotspare.orchestrator.spec` (import the names from there). Split out so that the field
+validators (:mod:`hotspare.orchestrator.spec_fields`) can build these types while ``spec`` keeps the
 loading API: the chain is ``spec_model`` <- ``spec_fields`` <- ``spec``, with no cycle.
 Standard library only.
 """

@@ -1,9 +1,9 @@
-"""The training process's library -- the Session API (:mod:`recovery.session`), where state
-comes from after a failure (:mod:`recovery.restore`), state providers, lazy snapshots, the
+"""The training process's library -- the Session API (:mod:`hotspare.recovery.session`), where state
+comes from after a failure (:mod:`hotspare.recovery.restore`), state providers, lazy snapshots, the
 reconfigurable process group -- plus the torch-free formats the agent shares with it: slot
-files (:mod:`recovery.slotfile`), replica frames and their client (:mod:`recovery.wire`,
-:mod:`recovery.replica_client`) and persisted checkpoints (:mod:`recovery.persist`,
-:mod:`recovery.checkpoint_store`, :mod:`recovery.checkpoint_writer`).
+files (:mod:`hotspare.recovery.slotfile`), replica frames and their client (:mod:`hotspare.recovery.wire`,
+:mod:`hotspare.recovery.replica_client`) and persisted checkpoints (:mod:`hotspare.recovery.persist`,
+:mod:`hotspare.recovery.checkpoint_store`, :mod:`hotspare.recovery.checkpoint_writer`).
 
 Imports are lazy so that the agent can use the torch-free modules without importing torch.
 """
@@ -13,13 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "Session": "recovery.session",
-    "Fenced": "recovery.session",
-    "Unrecoverable": "recovery.session",
-    "ReconfigurableProcessGroup": "recovery.process_group",
-    "StateProvider": "recovery.state",
-    "load_final": "recovery.final",
-    "load_checkpoint": "recovery.final",
+    "Session": "hotspare.recovery.session",
+    "Fenced": "hotspare.recovery.session",
+    "Unrecoverable": "hotspare.recovery.session",
+    "ReconfigurableProcessGroup": "hotspare.recovery.process_group",
+    "StateProvider": "hotspare.recovery.state",
+    "load_final": "hotspare.recovery.final",
+    "load_checkpoint": "hotspare.recovery.final",
 }
 
 __all__ = sorted(_EXPORTS)

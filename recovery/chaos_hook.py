@@ -4,7 +4,7 @@ The spec's ``chaos:`` entries name a step. Entries targeting a rank fire in that
 entries naming a node (or no target: kill-controller, restart-etcd) fire in rank 0. What
 this process can do itself -- kill, stop or slow itself, damage its checkpoint file, kill its
 own agent -- it does at once, precisely at the step; the rest goes through etcd to whoever
-executes it (:mod:`orchestrator.chaos` says who), as ``hotspare chaos`` would.
+executes it (:mod:`hotspare.orchestrator.chaos` says who), as ``hotspare chaos`` would.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from orchestrator import chaos
-from orchestrator.chaos import Executor, Target
-from orchestrator.spec import ChaosEntry
-from orchestrator.store import CONTROLLER, EventKind, JobStore, StoreError, events
+from hotspare.orchestrator import chaos
+from hotspare.orchestrator.chaos import Executor, Target
+from hotspare.orchestrator.spec import ChaosEntry
+from hotspare.orchestrator.store import CONTROLLER, EventKind, JobStore, StoreError, events
 
 from .persist import complete_steps, rank_file, step_dir
 
@@ -95,7 +95,7 @@ class ChaosHook:
         elif action.executor is Executor.CLI:
             # the CLI owns the embedded etcd: a detached `hotspare chaos` does it
             subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.cli", "chaos", self.job, "--action", action.name,
+                [sys.executable, "-m", "hotspare.orchestrator.cli", "chaos", self.job, "--action", action.name,
                  "--seconds", str(chaos.seconds_or_default(action.name, c.seconds))],
                 start_new_session=True, stdin=subprocess.DEVNULL,
             )

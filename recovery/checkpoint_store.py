@@ -4,7 +4,7 @@
 ``memory://``, ``file://``...). The two differ in how a file is put in place -- a directory
 gets atomic renames and fsyncs, an object store one PUT per object -- so each is one
 :class:`_Tier` implementation (:class:`LocalDir`, :class:`FsspecDir`) and the format code in
-:mod:`recovery.persist` and :mod:`recovery.checkpoint_writer` never asks which one it has.
+:mod:`hotspare.recovery.persist` and :mod:`hotspare.recovery.checkpoint_writer` never asks which one it has.
 Torch-free: the agent uses it.
 """
 
@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Protocol
 
-from orchestrator.util import atomic_write, fsync_dir
+from hotspare.orchestrator.util import atomic_write, fsync_dir
 
 #: a step's directory name: ``step00000040``
 STEP_RE = re.compile(r"^step(\d{8})$")

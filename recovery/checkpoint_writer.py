@@ -6,7 +6,7 @@ process is still copying it there, following the slot's ``copied`` mark -- with 
 file counts only if the slot then turned COMPLETE with the same sequence number. It goes
 to a local directory first (``persist_local_dir``, fast local SSD) and then to the shared
 path; its record (``rank<r>.json``) is written once the file is durable. The format is
-described in :mod:`recovery.persist`.
+described in :mod:`hotspare.recovery.persist`.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def write_rank(view: SlotView, root: str | Path, *, rank: int, job: str, timelin
     """Stream one rank's snapshot slot into ``root`` (via ``local_dir`` first, if given).
 
     ``timeline`` (the epoch whose restore the state descends from) and ``world_size`` go
-    into the rank record: :func:`recovery.persist.try_finish` joins only records of one
+    into the rank record: :func:`hotspare.recovery.persist.try_finish` joins only records of one
     timeline and size.
 
     Returns the rank record (also written as ``rank<r>.json``). Raises OSError (ENOSPC, ...)

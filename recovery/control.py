@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from orchestrator.store import Event, EventKind, JobStore, Progress, StoreError, World
+from hotspare.orchestrator.store import Event, EventKind, JobStore, Progress, StoreError, World
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class ControlLink:
                        data=dict(data)))
 
     def put(self, ev: Event) -> None:
-        """Queue a built event (:mod:`orchestrator.store.events`); the control thread writes
+        """Queue a built event (:mod:`hotspare.orchestrator.store.events`); the control thread writes
         it, so the training thread never waits for etcd."""
         self._events.put(ev)
         self._wake.set()

@@ -5,7 +5,7 @@ The final state is ``<output_dir>/final/rank<r>.safetensors`` + ``manifest.json`
 safetensors files (load them with ``safetensors.torch.load_file``); tensor names are
 ``component/key`` (``model.params/wte.weight``, ``optimizer/state.0.exp_avg``,
 ``rng/torch``...) and each file's metadata holds the components' JSON state under
-``hotspare.meta``. Persisted checkpoints (:mod:`recovery.persist`, torch-free) follow the
+``hotspare.meta``. Persisted checkpoints (:mod:`hotspare.recovery.persist`, torch-free) follow the
 same convention; :func:`load_rank` and :func:`load_checkpoint` read them back as tensors.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from orchestrator.util import atomic_write
+from hotspare.orchestrator.util import atomic_write
 
 from .checkpoint_store import join, step_name
 from .persist import CheckpointError, complete_steps, rank_file, read_manifest, read_rank_bytes

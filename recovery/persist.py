@@ -10,14 +10,14 @@ Layout under the persist path (a directory or an fsspec URL; ``persist_path`` in
 A step directory without ``manifest.json`` is never taken for a checkpoint. Tensor names are
 the snapshot's ``component/key`` names and each file's metadata holds the components' JSON
 state under ``hotspare.meta`` -- the same convention as ``final/``, so
-``safetensors.torch.load_file`` reads them and :func:`recovery.final.load_checkpoint`
+``safetensors.torch.load_file`` reads them and :func:`hotspare.recovery.final.load_checkpoint`
 restores them.
 
-Who does what: :mod:`recovery.checkpoint_writer` writes a rank's file and record (in the node
-agent, streaming from a snapshot slot); :mod:`recovery.checkpoint_store` is where the files
+Who does what: :mod:`hotspare.recovery.checkpoint_writer` writes a rank's file and record (in the node
+agent, streaming from a snapshot slot); :mod:`hotspare.recovery.checkpoint_store` is where the files
 live (a directory or an object store) and what they are called; this module decides when a
 step is a checkpoint (:func:`try_finish`), prunes old ones and reads them back
-(:func:`read_rank_bytes`); the torch-side loaders are in :mod:`recovery.final`.
+(:func:`read_rank_bytes`); the torch-side loaders are in :mod:`hotspare.recovery.final`.
 """
 
 from __future__ import annotations
@@ -180,13 +180,13 @@ def read_rank_bytes(root: str | Path, step: int, rank: int, manifest: dict | Non
     return header, raw
 
 
-_MOVED = {"load_checkpoint": "recovery.final", "load_rank": "recovery.final"}
+_MOVED = {"load_checkpoint": "hotspare.recovery.final", "load_rank": "hotspare.recovery.final"}
 
 
 def __getattr__(name: str) -> object:
     # The torch-using readers left this torch-free module (the agent imports it); importing
     # them from here would make the format depend on the training side. Say where they went.
     if name in _MOVED:
-        raise AttributeError(f"recovery.persist.{name} moved to {_MOVED[name]}.{name} "
+        raise AttributeError(f"hotspare.recovery.persist.{name} moved to {_MOVED[name]}.{name} "
                              f"(or `from recovery import {name}`)")
-    raise AttributeError(f"module 'recovery.persist' has no attribute {name!r}")
+    raise AttributeError(f"module 'hotspare.recovery.persist' has no attribute {name!r}")

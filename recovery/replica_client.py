@@ -1,8 +1,8 @@
 """The client side of the replica protocol: what a training process (or a tool) asks of the
-agents that hold replicas. Torch-free; the server is :class:`agents.replica.ReplicaServer`.
+agents that hold replicas. Torch-free; the server is :class:`hotspare.agents.replica.ReplicaServer`.
 
 The wire field is called ``"rank"`` for compatibility with protocol ``HSP1``; it carries a
-*sid* (the seat's state id, see :class:`orchestrator.store.Seat`).
+*sid* (the seat's state id, see :class:`hotspare.orchestrator.store.Seat`).
 """
 
 from __future__ import annotations

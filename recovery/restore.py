@@ -29,7 +29,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
-from orchestrator.store import EventKind, JobStore
+from hotspare.orchestrator.store import EventKind, JobStore
 
 from .final import load_rank
 from .persist import checkpoint_path, complete_steps, read_manifest
@@ -239,7 +239,7 @@ class DonorBroadcast:
     identical parameters, optimizer, scheduler and data position). A fresh rank keeps all of
     it but the RNGs, which it seeds from the donor's RNG state and its own rank:
     deterministic, and distinct per rank. Its data shard follows from the shared global
-    position and its rank (e.g. :class:`recovery.sampler.ElasticSampler`)."""
+    position and its rank (e.g. :class:`hotspare.recovery.sampler.ElasticSampler`)."""
 
     def __init__(self, engine: SnapshotEngine, pg: ReconfigurableProcessGroup, me: Membership,
                  fresh_ranks: Sequence[int]) -> None:

@@ -6,8 +6,8 @@ back when a collective in it failed, rebuilding the group under the new epoch, a
 final barrier. Nothing here touches etcd on the step path: epoch changes arrive through
 :class:`ControlLink` (a background thread) as a plain attribute.
 
-Where the state comes from after a failure is :mod:`recovery.restore`; the spec's scheduled
-failures are :mod:`recovery.chaos_hook`.
+Where the state comes from after a failure is :mod:`hotspare.recovery.restore`; the spec's scheduled
+failures are :mod:`hotspare.recovery.chaos_hook`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from agents.worker_link import EXIT_FENCED
-from orchestrator.spec import JobSpec
-from orchestrator.store import EventKind, JobStore, Store, StoreError, events
-from orchestrator.store.c10d import EtcdC10dStore, RendezvousAborted
+from hotspare.agents.worker_link import EXIT_FENCED
+from hotspare.orchestrator.spec import JobSpec
+from hotspare.orchestrator.store import EventKind, JobStore, Store, StoreError, events
+from hotspare.orchestrator.store.c10d import EtcdC10dStore, RendezvousAborted
 
 from .chaos_hook import ChaosHook
 from .control import ControlLink
@@ -52,7 +52,7 @@ __all__ = ["Session", "Fenced", "Unrecoverable", "COLLECTIVE_TIMEOUT", "WINDOW"]
 log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = 60.0  # seconds a collective or rendezvous may take before it counts as failed
-_StepFailed = StepFailed  # the name this module used before recovery.restore existed
+_StepFailed = StepFailed  # the name this module used before hotspare.recovery.restore existed
 
 
 class Fenced(SystemExit):
@@ -328,7 +328,7 @@ class Session:
 
     def _agree_and_restore(self, epoch: int) -> Restored:
         """Agree with the other members on the newest step all can restore, and restore it
-        (:class:`recovery.restore.RestoreAgreement`). A survivor offers its own snapshot
+        (:class:`hotspare.recovery.restore.RestoreAgreement`). A survivor offers its own snapshot
         slots; a spare in a lost rank's seat (its slots empty, after the first epoch) asks
         the replica holders; a seat fresh from a grow offers nothing and is sent a member's
         state; the persisted tier is the fallback of all."""

@@ -21,19 +21,19 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.util import atomic_write
+from hotspare.orchestrator.util import atomic_write
 
 MAGIC = b"HSSNAP01"
 CTRL_FORMAT = "<8sqqqqqqq"  # magic, state, step, seq, header_len, data_off, data_len, copied
 CTRL_SIZE = 64
-COPIED_OFFSET = 56  # where ``copied`` sits in the control block (the writer, recovery.slots, sets it)
+COPIED_OFFSET = 56  # where ``copied`` sits in the control block (the writer, hotspare.recovery.slots, sets it)
 EMPTY, WRITING, COMPLETE = 0, 1, 2
 
 
 @dataclass(frozen=True)
 class DType:
     """One element type a snapshot may hold: its size and its safetensors code. The torch
-    dtype of the same name is ``getattr(torch, name)`` (see :mod:`recovery.slots`)."""
+    dtype of the same name is ``getattr(torch, name)`` (see :mod:`hotspare.recovery.slots`)."""
 
     name: str
     itemsize: int
@@ -52,12 +52,12 @@ DTYPES: dict[str, DType] = {d.name: d for d in (
 class SlotDir:
     """The names of the files in an agent's run directory (``/dev/shm/hotspare-...``), in
     one place. Every name carries a *sid* (the seat's state id, see
-    :class:`orchestrator.store.Seat`), not a rank: a shrink renumbers ranks, never sids.
+    :class:`hotspare.orchestrator.store.Seat`), not a rank: a shrink renumbers ranks, never sids.
 
     * ``rank<sid>.slot<k>``   ring slot k (the newest steps)
     * ``rank<sid>.point<k>``  replication point slot k
     * ``rank<sid>.replicated`` the agent's confirmation of one point write, ``"<step> <seq>"``
-    * ``<heartbeat>.fatal``   why a worker cannot go on (:func:`agents.worker_link.fatal_path`)
+    * ``<heartbeat>.fatal``   why a worker cannot go on (:func:`hotspare.agents.worker_link.fatal_path`)
 
     (The ``rank`` spelling predates sids and stays: the files are read across versions.)"""
 

@@ -1,9 +1,9 @@
 """Snapshot slots in memory: a slot file mapped as a torch tensor, the tensor layout in it,
 and the background preparation of slots before their first use.
 
-The file format (control block, JSON header, raw bytes) is :mod:`recovery.slotfile`'s, which
+The file format (control block, JSON header, raw bytes) is :mod:`hotspare.recovery.slotfile`'s, which
 the agent reads without torch; this is the writer's side, used by
-:class:`recovery.snapshot.SnapshotEngine`.
+:class:`hotspare.recovery.snapshot.SnapshotEngine`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ crashes leaves its last complete snapshots behind for its agent to serve. A slot
 ``state`` is WRITING while a copy is in flight and COMPLETE after it; ``seq`` changes on
 every write, so a reader (the agent's replicator) can detect a slot reused under it.
 The newest complete slot is never the one a copy writes into. The format is
-:mod:`recovery.slotfile`'s; the mapped slots and their preparation are :mod:`recovery.slots`.
+:mod:`hotspare.recovery.slotfile`'s; the mapped slots and their preparation are :mod:`hotspare.recovery.slots`.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.etcd_server import start_etcd, stop_pid
-from orchestrator.store import JobStore, Store
+from hotspare.orchestrator.etcd_server import start_etcd, stop_pid
+from hotspare.orchestrator.store import JobStore, Store
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -68,7 +68,7 @@ class Cluster:
                         PYTHONUNBUFFERED="1")
 
     def hotspare(self, *args: str, timeout: float = 240, check: bool = False) -> subprocess.CompletedProcess:
-        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], env=self.env,
+        r = subprocess.run([sys.executable, "-m", "hotspare.orchestrator.cli", *args], env=self.env,
                            capture_output=True, text=True, timeout=timeout, cwd=self.tmp)
         if check and r.returncode != 0:
             raise AssertionError(f"hotspare {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
@@ -76,7 +76,7 @@ class Cluster:
 
     def spawn(self, *args: str, log: str) -> subprocess.Popen:
         f = open(self.tmp / log, "ab")
-        p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], env=self.env, stdout=f,
+        p = subprocess.Popen([sys.executable, "-m", "hotspare.orchestrator.cli", *args], env=self.env, stdout=f,
                              stderr=subprocess.STDOUT, start_new_session=True, cwd=self.tmp)
         self.procs.append(p)
         return p
@@ -130,7 +130,7 @@ def cluster(etcd, tmp_path):
 def reference(tmp_path_factory):
     """The undisturbed GPT run's final state (etcd and controller of its own), shared by
     every test that compares a disturbed run against it."""
-    from recovery import load_final
+    from hotspare.recovery import load_final
 
     from .e2e.test_exact_recovery import run_ok
 

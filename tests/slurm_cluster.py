@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from orchestrator.etcd_server import free_port
+from hotspare.orchestrator.etcd_server import free_port
 
 BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "scancel", "scontrol", "srun")
 

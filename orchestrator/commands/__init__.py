@@ -1,4 +1,4 @@
-"""The ``hotspare`` subcommands, one module per area; :mod:`orchestrator.cli` is the entry point.
+"""The ``hotspare`` subcommands, one module per area; :mod:`hotspare.orchestrator.cli` is the entry point.
 
 * :mod:`.common` -- where etcd is, connecting to it, the user-facing error, the declaration
   of a subcommand (:class:`~.common.Command`).

@@ -1,7 +1,7 @@
 """``hotspare chaos``: inject one failure, or random ones (punisher mode), into a running job.
 
 Which actions exist, what they target and who carries them out is
-:data:`orchestrator.chaos.ACTIONS`; this module only delivers them: through etcd to the
+:data:`hotspare.orchestrator.chaos.ACTIONS`; this module only delivers them: through etcd to the
 node agent or the leader controller, or (restart-etcd) itself, on the embedded etcd.
 """
 
@@ -18,7 +18,7 @@ from ..spec import JobSpec
 from ..store import CONTROLLER, EventKind, JobStore
 from .common import CliError, Command, export_for_children, job_spec, jobstore, state_dir
 
-#: Deprecated: ``orchestrator.chaos.AGENT_ACTIONS`` / ``CLI_ACTIONS``.
+#: Deprecated: ``hotspare.orchestrator.chaos.AGENT_ACTIONS`` / ``CLI_ACTIONS``.
 AGENT_ACTIONS = chaos.AGENT_ACTIONS
 ALL_ACTIONS = chaos.CLI_ACTIONS
 #: What punisher mode injects unless --kinds says otherwise.

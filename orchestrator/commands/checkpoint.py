@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from recovery import persist
+from hotspare.recovery import persist
 
 from ..spec import JobSpec
 from ..status import next_point

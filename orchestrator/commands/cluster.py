@@ -42,7 +42,7 @@ def _default_node() -> str:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     # loaded here, not at the top: the agent's modules are not needed by any other command
-    from agents.agent import Agent
+    from hotspare.agents.agent import Agent
 
     eps = endpoints(args)
     # the workers the agent starts connect as it does (Store.from_env)

@@ -2,7 +2,7 @@
 
 Backends are registered by name; each backend's module is imported only when used, so the
 Slurm, Kubernetes and Ray libraries stay optional. A launcher is given the resolved spec
-(a :class:`~orchestrator.spec.JobSpec` whose ``output_dir`` is filled in and whose etcd
+(a :class:`~hotspare.orchestrator.spec.JobSpec` whose ``output_dir`` is filled in and whose etcd
 password is dropped) and the etcd endpoints:
 
 * endpoints given (``--etcd``, ``$HOTSPARE_ETCD``, the spec's ``etcd.endpoints``, or the
@@ -59,10 +59,10 @@ class Launcher(Protocol):
 
 
 _REGISTRY: dict[str, str | Callable[[], Launcher]] = {
-    "local": "orchestrator.launchers.local:LocalLauncher",
-    "slurm": "orchestrator.launchers.slurm:SlurmLauncher",
-    "kubernetes": "orchestrator.launchers.kubernetes:KubernetesLauncher",
-    "ray": "orchestrator.launchers.ray:RayLauncher",
+    "local": "hotspare.orchestrator.launchers.local:LocalLauncher",
+    "slurm": "hotspare.orchestrator.launchers.slurm:SlurmLauncher",
+    "kubernetes": "hotspare.orchestrator.launchers.kubernetes:KubernetesLauncher",
+    "ray": "hotspare.orchestrator.launchers.ray:RayLauncher",
 }
 
 
@@ -78,7 +78,7 @@ def get(name: str) -> Launcher:
     if name not in _REGISTRY:
         raise KeyError(
             f"backend {name!r} is not registered (known: {', '.join(sorted(_REGISTRY))}). "
-            "Did you forget to call orchestrator.launchers.register?"
+            "Did you forget to call hotspare.orchestrator.launchers.register?"
         )
     create = _REGISTRY[name]
     if isinstance(create, str):

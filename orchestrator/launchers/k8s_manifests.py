@@ -3,7 +3,7 @@
 Every object is named ``hotspare-<job>-...`` and labelled ``app.kubernetes.io/name:
 hotspare``, ``app.kubernetes.io/instance: <job>``, ``hotspare/role: <role>``. Why these
 objects and not others (Indexed Jobs for the agents, an ``emptyDir`` etcd, no Role) is in
-:mod:`orchestrator.launchers.kubernetes`, which creates them; ``hotspare submit --dry-run``
+:mod:`hotspare.orchestrator.launchers.kubernetes`, which creates them; ``hotspare submit --dry-run``
 prints them (:func:`dump`).
 """
 

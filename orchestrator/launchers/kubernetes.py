@@ -27,7 +27,7 @@ context, objects named ``hotspare-<job>-...`` and labelled ``app.kubernetes.io/n
   ServiceAccount with no API token: hotspare coordinates through etcd and reads its pod name and
   IP from the downward API, so no pod needs Kubernetes API access -- no Role is rendered.
 
-The objects themselves are rendered in :mod:`orchestrator.launchers.k8s_manifests`; this
+The objects themselves are rendered in :mod:`hotspare.orchestrator.launchers.k8s_manifests`; this
 module talks to the API server (create, roll back, describe, cancel).
 
 Paths: the image (docker/) is a copy of this checkout at ``/opt/hotspare``. A ``.py`` entrypoint

@@ -20,7 +20,7 @@ from ..util import pid_alive
 
 def agent_command(job: str, node: str, endpoints: list[str], *, spare: bool = False,
                   slots: int | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "orchestrator.cli", "agent", "--job", job, "--node", node,
+    cmd = [sys.executable, "-m", "hotspare.orchestrator.cli", "agent", "--job", job, "--node", node,
            "--etcd", ",".join(endpoints)]
     if spare:
         cmd.append("--spare")

@@ -97,17 +97,17 @@ def _node_name(node_id: str, taken: set[str]) -> str:
 
 def agent_args(job: str, node: str, endpoints: list[str], host: str, spare: bool) -> list[str]:
     """The agent's command line after the interpreter (each node runs its own Python)."""
-    args = ["-m", "orchestrator.cli", "agent", "--job", job, "--node", node,
+    args = ["-m", "hotspare.orchestrator.cli", "agent", "--job", job, "--node", node,
             "--etcd", ",".join(endpoints), "--host", host]
     return args + (["--spare"] if spare else [])
 
 
 def controller_args(job: str, endpoints: list[str]) -> list[str]:
-    return ["-m", "orchestrator.cli", "controller", "--job", job, "--etcd", ",".join(endpoints)]
+    return ["-m", "hotspare.orchestrator.cli", "controller", "--job", job, "--etcd", ",".join(endpoints)]
 
 
 def _etcd_env() -> dict[str, str]:
-    """The etcd TLS/auth settings of this process (see orchestrator.store's ENV_OPTIONS), for
+    """The etcd TLS/auth settings of this process (see hotspare.orchestrator.store's ENV_OPTIONS), for
     the actors' children: they do not inherit this environment. Paths must be valid on every
     node. A password is never shipped through Ray (actor arguments live in its GCS)."""
     if os.environ.get("HOTSPARE_ETCD_PASSWORD") and not os.environ.get("HOTSPARE_ETCD_PASSWORD_FILE"):

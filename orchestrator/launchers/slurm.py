@@ -92,7 +92,7 @@ def _prologue(spec: JobSpec) -> list[str]:
     python = spec.slurm.get("python") or sys.executable
     return [
         "",
-        f"HOTSPARE=({_q(python)} -m orchestrator.cli)",
+        f"HOTSPARE=({_q(python)} -m hotspare.orchestrator.cli)",
         f"JOB={_q(spec.name)}",
         f"OUT={_q(spec.output_dir)}",
         f"N_ACTIVE={spec.nodes}",

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
-from orchestrator.util import PeriodicWorker
+from hotspare.orchestrator.util import PeriodicWorker
 
 from .errors import Conflict, LeaseLost, StoreError, StoreUnavailable
 

@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from orchestrator.spec import JobSpec
+from hotspare.orchestrator.spec import JobSpec
 
 from . import events
 from .client import KV, Compare, Lease, Store

@@ -21,9 +21,9 @@ import time
 import pytest
 import torch
 
-from orchestrator.etcd_server import pid_alive
-from orchestrator.launchers.local import start_agent
-from recovery import load_final
+from hotspare.orchestrator.etcd_server import pid_alive
+from hotspare.orchestrator.launchers.local import start_agent
+from hotspare.recovery import load_final
 
 from ..e2e.test_exact_recovery import assert_identical, gpt_spec
 

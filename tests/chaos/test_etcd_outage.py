@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from orchestrator import embedded
-from orchestrator.store import JobStore, Store
+from hotspare.orchestrator import embedded
+from hotspare.orchestrator.store import JobStore, Store
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -41,7 +41,7 @@ def test_training_survives_a_10s_etcd_outage_with_failures_during_and_after(tmp_
     env.pop("HOTSPARE_ETCD", None)
 
     def cli(*args, check=True, **kw):
-        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], env=env,
+        r = subprocess.run([sys.executable, "-m", "hotspare.orchestrator.cli", *args], env=env,
                            capture_output=True, text=True, timeout=120, **kw)
         assert not check or r.returncode == 0, r.stdout + r.stderr
         return r
@@ -64,7 +64,7 @@ def test_training_survives_a_10s_etcd_outage_with_failures_during_and_after(tmp_
         agents = json.loads((tmp_path / "out" / "agents.json").read_text())
         victim = next(e.data["pid"] for e in js.events() if e.kind == "rebuilt" and e.data["rank"] == 2)
 
-        outage = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "chaos", "outage",
+        outage = subprocess.Popen([sys.executable, "-m", "hotspare.orchestrator.cli", "chaos", "outage",
                                    "--action", "restart-etcd", "--seconds", "10"], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         time.sleep(1.5)  # etcd is down now

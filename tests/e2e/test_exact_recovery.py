@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recovery import load_final
+from hotspare.recovery import load_final
 
 from ..conftest import EXAMPLES
 

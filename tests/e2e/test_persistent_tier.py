@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from recovery import persist
-from recovery.final import load_checkpoint
+from hotspare.recovery import persist
+from hotspare.recovery.final import load_checkpoint
 
 from .test_exact_recovery import assert_identical, gpt_spec, run_ok
 

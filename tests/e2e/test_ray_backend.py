@@ -24,9 +24,9 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster as RayCluster
 
-from orchestrator import timeline
-from orchestrator.launchers import LaunchError, load_record
-from orchestrator.launchers.ray import RayLauncher, check_etcd_reachable, pick_nodes
+from hotspare.orchestrator import timeline
+from hotspare.orchestrator.launchers import LaunchError, load_record
+from hotspare.orchestrator.launchers.ray import RayLauncher, check_etcd_reachable, pick_nodes
 
 from ..conftest import EXAMPLES
 from .test_exact_recovery import assert_identical, gpt_spec
@@ -116,7 +116,7 @@ def test_removed_ray_node_is_replaced_by_the_spare_and_the_job_ends_bit_identica
     # `hotspare status` without $HOTSPARE_ETCD finds the job through its launch record and
     # asks Ray about the actors
     env = {k: v for k, v in cluster.env.items() if k != "HOTSPARE_ETCD"}
-    st = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", JOB], env=env, cwd=cluster.tmp,
+    st = subprocess.run([sys.executable, "-m", "hotspare.orchestrator.cli", "status", JOB], env=env, cwd=cluster.tmp,
                         capture_output=True, text=True, timeout=120)
     assert st.returncode == 0, st.stdout + st.stderr
     assert "ray: 4/4 agent actors alive; controller actor alive" in st.stdout, st.stdout
@@ -163,7 +163,7 @@ def test_removed_ray_node_is_replaced_by_the_spare_and_the_job_ends_bit_identica
 
 # -- placement and refusals, without a Ray cluster ---------------------------------------------
 def _spec(**fields):
-    from orchestrator.spec import parse_spec
+    from hotspare.orchestrator.spec import parse_spec
 
     base = {"name": "r", "entrypoint": str(EXAMPLES / "gpt.py") + ":train", "ranks": 3, "spares": 1,
             "steps": 10, "backend": "ray", "output_dir": "/out/r", "ray": {"resources": {RESOURCE: 1}}}

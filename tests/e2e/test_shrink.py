@@ -14,7 +14,7 @@ from collections import Counter
 
 import pytest
 
-from recovery import load_final
+from hotspare.recovery import load_final
 
 from .test_exact_recovery import gpt_spec
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.launchers import load_record, record_endpoints
-from orchestrator.store import JobStore, Store
-from orchestrator.store.errors import StoreUnavailable
+from hotspare.orchestrator.launchers import load_record, record_endpoints
+from hotspare.orchestrator.store import JobStore, Store
+from hotspare.orchestrator.store.errors import StoreUnavailable
 
 from ..conftest import wait_until, write_spec
 from ..slurm_cluster import SlurmCluster
@@ -42,7 +42,7 @@ class SlurmJob:
         self.store: Store | None = None
 
     def hotspare(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], env=self.env, cwd=self.tmp,
+        return subprocess.run([sys.executable, "-m", "hotspare.orchestrator.cli", *args], env=self.env, cwd=self.tmp,
                               capture_output=True, text=True, timeout=timeout)
 
     def spec_file(self, **fields) -> Path:

@@ -62,7 +62,7 @@ def test_a_failed_launch_leaves_no_job_behind(cluster, tmp_path):
 def test_scheduler_commands_without_the_scheduler_tools_are_one_clear_error(cluster, tmp_path):
     """A Slurm job's record is there, but this machine has no scancel/squeue on PATH (a
     workstation, not the login node): cancel, status and wait say so; no traceback."""
-    from orchestrator.launchers import save_record
+    from hotspare.orchestrator.launchers import save_record
 
     save_record(tmp_path / "state", "elsewhere", {
         "backend": "slurm", "endpoints": [], "output_dir": str(tmp_path / "out" / "elsewhere"),
@@ -70,9 +70,9 @@ def test_scheduler_commands_without_the_scheduler_tools_are_one_clear_error(clus
     env = {k: v for k, v in cluster.env.items() if k != "HOTSPARE_ETCD"}
     env["PATH"] = str(tmp_path / "empty-bin")
     for args in (["cancel", "elsewhere"], ["status", "elsewhere"], ["wait", "elsewhere", "--timeout", "2"]):
-        r = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], env=env, cwd=tmp_path,
+        r = subprocess.run([sys.executable, "-m", "hotspare.orchestrator.cli", *args], env=env, cwd=tmp_path,
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stdout, r.stderr)
         assert r.stderr.startswith(f"hotspare {args[0]}: error: "), (args, r.stderr)
-    assert "scancel" in subprocess.run([sys.executable, "-m", "orchestrator.cli", "cancel", "elsewhere"], env=env,
+    assert "scancel" in subprocess.run([sys.executable, "-m", "hotspare.orchestrator.cli", "cancel", "elsewhere"], env=env,
                                        cwd=tmp_path, capture_output=True, text=True, timeout=60).stderr

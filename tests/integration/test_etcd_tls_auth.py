@@ -15,8 +15,8 @@ import pytest
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import auth_pb2
 
-from orchestrator.etcd_server import EtcdServer, free_port, start_etcd
-from orchestrator.store import Store, StoreError, wait_until
+from hotspare.orchestrator.etcd_server import EtcdServer, free_port, start_etcd
+from hotspare.orchestrator.store import Store, StoreError, wait_until
 
 from ..conftest import Cluster
 

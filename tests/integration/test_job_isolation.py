@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from orchestrator.store import JobKeys
+from hotspare.orchestrator.store import JobKeys
 
 pytestmark = pytest.mark.timeout(240)
 

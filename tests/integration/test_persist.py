@@ -14,14 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from agents.node_view import NodeView
-from agents.persist import Persister
-from agents.replica import ReplicaStore
-from orchestrator.spec import JobSpec
-from recovery import persist
-from recovery.final import load_checkpoint
-from recovery.snapshot import SnapshotEngine
-from recovery.state import provider_for
+from hotspare.agents.node_view import NodeView
+from hotspare.agents.persist import Persister
+from hotspare.agents.replica import ReplicaStore
+from hotspare.orchestrator.spec import JobSpec
+from hotspare.recovery import persist
+from hotspare.recovery.final import load_checkpoint
+from hotspare.recovery.snapshot import SnapshotEngine
+from hotspare.recovery.state import provider_for
 
 
 def _engine(tmp: Path, width: int = 64, sid: int = 0):
@@ -260,8 +260,8 @@ def test_any_damage_to_a_checkpoint_is_refused_naming_the_file(tmp_path):
 
 def _filling_slot(tmp_path: Path, tensors: dict):
     """A slot as the engine leaves it mid-copy: header written, state WRITING, nothing copied."""
-    from recovery.slotfile import CTRL_SIZE, WRITING
-    from recovery.snapshot import Slot, plan
+    from hotspare.recovery.slotfile import CTRL_SIZE, WRITING
+    from hotspare.recovery.snapshot import Slot, plan
 
     infos = plan(tensors)
     hb = json.dumps({"rank": 0, "step": 10, "timeline": 1, "world_rank": 0, "world_size": 1, "meta": {},
@@ -280,7 +280,7 @@ def test_persisting_streams_a_snapshot_while_it_is_still_being_copied(tmp_path):
     import threading
     import time
 
-    from recovery.slotfile import COMPLETE
+    from hotspare.recovery.slotfile import COMPLETE
 
     tensors = {"m/a": torch.arange(300_000, dtype=torch.float32), "m/b": torch.ones(200_000)}
     slot, infos = _filling_slot(tmp_path, tensors)
@@ -313,7 +313,7 @@ def test_persisting_streams_a_snapshot_while_it_is_still_being_copied(tmp_path):
 def test_a_slot_reused_mid_stream_leaves_no_file(tmp_path):
     import threading
 
-    from recovery.slotfile import WRITING
+    from hotspare.recovery.slotfile import WRITING
 
     tensors = {"m/a": torch.arange(1000, dtype=torch.float32), "m/b": torch.ones(1000)}
     slot, infos = _filling_slot(tmp_path, tensors)

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from agents.node_view import NodeView
-from agents.replica import ReplicaServer, ReplicaStore, Replicator
-from recovery.replica_client import fetch, fetch_first, list_steps
-from recovery.snapshot import SnapshotEngine, tensors_from_bytes
-from recovery.state import provider_for
-from recovery.wire import (
+from hotspare.agents.node_view import NodeView
+from hotspare.agents.replica import ReplicaServer, ReplicaStore, Replicator
+from hotspare.recovery.replica_client import fetch, fetch_first, list_steps
+from hotspare.recovery.snapshot import SnapshotEngine, tensors_from_bytes
+from hotspare.recovery.state import provider_for
+from hotspare.recovery.wire import (
     _HDR,
     HDR_SIZE,
     MAGIC,

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from orchestrator.controller import Controller
-from orchestrator.decide import decide
-from orchestrator.store import (
+from hotspare.orchestrator.controller import Controller
+from hotspare.orchestrator.decide import decide
+from hotspare.orchestrator.store import (
     Compare,
     JobState,
     JobStore,

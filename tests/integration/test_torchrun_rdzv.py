@@ -20,9 +20,9 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
-from orchestrator import torchrun_rdzv as rdzv
-from orchestrator.etcd_server import EtcdServer, free_port
-from orchestrator.store import Store
+from hotspare.orchestrator import torchrun_rdzv as rdzv
+from hotspare.orchestrator.etcd_server import EtcdServer, free_port
+from hotspare.orchestrator.store import Store
 
 RUN_ID = "tr1"
 PREFIX = f"/hotspare-torchrun/{RUN_ID}/"

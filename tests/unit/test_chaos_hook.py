@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 
-from orchestrator.spec import ChaosEntry
-from orchestrator.store import CONTROLLER, StoreError
-from recovery.chaos_hook import ChaosHook
+from hotspare.orchestrator.spec import ChaosEntry
+from hotspare.orchestrator.store import CONTROLLER, StoreError
+from hotspare.recovery.chaos_hook import ChaosHook
 
 
 class FakeJobStore:
@@ -99,7 +99,7 @@ def test_restart_etcd_is_handed_to_a_detached_cli(monkeypatch):
     hook = _hook(FakeJobStore(), ChaosEntry(at_step=0, action="restart-etcd"))
     hook.at_step(0, rank=0)
     [argv] = runs
-    assert argv[1:] == ["-m", "orchestrator.cli", "chaos", "j", "--action", "restart-etcd", "--seconds", "5.0"]
+    assert argv[1:] == ["-m", "hotspare.orchestrator.cli", "chaos", "j", "--action", "restart-etcd", "--seconds", "5.0"]
 
 
 def test_an_etcd_outage_skips_the_entry_without_failing_the_step(caplog):

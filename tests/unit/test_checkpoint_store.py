@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from recovery.checkpoint_store import FsspecDir, LocalDir, checkpoint_path, tier_for
+from hotspare.recovery.checkpoint_store import FsspecDir, LocalDir, checkpoint_path, tier_for
 
 
 @pytest.fixture(params=["dir", "memory"])

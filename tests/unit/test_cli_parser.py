@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import chaos
-from orchestrator.cli import COMMANDS, _error_line, build_parser, main
-from orchestrator.commands.common import EtcdSettings
-from orchestrator.spec import load_spec
+from hotspare.orchestrator import chaos
+from hotspare.orchestrator.cli import COMMANDS, _error_line, build_parser, main
+from hotspare.orchestrator.commands.common import EtcdSettings
+from hotspare.orchestrator.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_the_old_names_stay_importable_from_the_entry_point():
-    from orchestrator.cli import AGENT_ACTIONS, ALL_ACTIONS, CliError, inject, register_job  # noqa: F401
+    from hotspare.orchestrator.cli import AGENT_ACTIONS, ALL_ACTIONS, CliError, inject, register_job  # noqa: F401
 
     assert ALL_ACTIONS == chaos.CLI_ACTIONS and AGENT_ACTIONS == chaos.AGENT_ACTIONS
 
@@ -117,8 +117,8 @@ def test_errors_are_one_line_naming_what_failed(tmp_path, capsys):
 
 
 def test_help_loads_neither_torch_nor_a_scheduler_library():
-    code = ("import sys\nfrom orchestrator.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n"
-            "    pass\nprint(sorted(m for m in ('torch', 'kubernetes', 'ray', 'agents.agent') if m in sys.modules))")
+    code = ("import sys\nfrom hotspare.orchestrator.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n"
+            "    pass\nprint(sorted(m for m in ('torch', 'kubernetes', 'ray', 'hotspare.agents.agent') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]"

@@ -1,4 +1,4 @@
-"""Unit tests for orchestrator.decide: every branch of the controller policy, no etcd.
+"""Unit tests for hotspare.orchestrator.decide: every branch of the controller policy, no etcd.
 
 Patroni-style: small builders return a :class:`JobSnapshot` (a JobSpec, nodes ``node0..``
 with role "active" and ``spare0..`` with role "spare", a world at some epoch), a test edits
@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.decide import Action, Decision, Loss, LossKind, decide, find_losses
-from orchestrator.spec import JobSpec
-from orchestrator.store.job import JobSnapshot
-from orchestrator.store.records import JobState, Node, Report, Seat, World
+from hotspare.orchestrator.decide import Action, Decision, Loss, LossKind, decide, find_losses
+from hotspare.orchestrator.spec import JobSpec
+from hotspare.orchestrator.store.job import JobSnapshot
+from hotspare.orchestrator.store.records import JobState, Node, Report, Seat, World
 
 STEPS = 100
 

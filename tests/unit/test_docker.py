@@ -47,7 +47,7 @@ def test_both_variants_resolve_to_a_stage_and_the_entrypoint_is_the_cli():
 
 
 def test_kubernetes_default_image_is_the_documented_tag():
-    from orchestrator.launchers import kubernetes
+    from hotspare.orchestrator.launchers import kubernetes
 
     assert kubernetes.DEFAULT_IMAGE == "hotspare:cpu"
     assert "-t hotspare:cpu" in (REPO / "docker" / "README.md").read_text()

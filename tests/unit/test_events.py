@@ -12,9 +12,9 @@ import dataclasses
 
 import pytest
 
-from orchestrator.decide import Action, LossKind
-from orchestrator.store import Event, EventKind, events
-from orchestrator.timeline import recoveries
+from hotspare.orchestrator.decide import Action, LossKind
+from hotspare.orchestrator.store import Event, EventKind, events
+from hotspare.orchestrator.timeline import recoveries
 
 
 def _shape(ev: Event) -> tuple:

@@ -12,8 +12,8 @@ import threading
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.spec import SpecError, parse_spec
-from recovery.wire import Channel, WireError, validate_snapshot
+from hotspare.orchestrator.spec import SpecError, parse_spec
+from hotspare.recovery.wire import Channel, WireError, validate_snapshot
 
 json_scalars = st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=True) | st.text(max_size=12)
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)

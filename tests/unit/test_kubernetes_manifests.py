@@ -27,9 +27,9 @@ import yaml
 from kubernetes.client import ApiClient
 from packaging.version import Version
 
-from orchestrator.launchers import LaunchError
-from orchestrator.launchers import kubernetes as k8s
-from orchestrator.spec import JobSpec, load_spec
+from hotspare.orchestrator.launchers import LaunchError
+from hotspare.orchestrator.launchers import kubernetes as k8s
+from hotspare.orchestrator.spec import JobSpec, load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "kubernetes.yaml"
@@ -335,7 +335,7 @@ def cli(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items()
          if k not in ("HOTSPARE_ETCD", "KUBERNETES_SERVICE_HOST", "KUBECONFIG")}
     e.update(HOTSPARE_STATE_DIR=str(tmp_path / "state"), **env)
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO, env=e,
+    return subprocess.run([sys.executable, "-m", "hotspare.orchestrator.cli", *args], cwd=REPO, env=e,
                           capture_output=True, text=True, timeout=60)
 
 

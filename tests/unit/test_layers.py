@@ -16,9 +16,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("orchestrator", "agents", "recovery")
+#: the import package and the repository folders its subpackages live in (pyproject's package-dir)
+FOLDERS = {"hotspare": "hotspare", "hotspare.orchestrator": "orchestrator",
+           "hotspare.agents": "agents", "hotspare.recovery": "recovery"}
+BARE = ("orchestrator", "agents", "recovery")  # never imported without the hotspare. prefix
 
-#: (layer, module patterns), lowest first. The first matching pattern wins.
+#: (layer, module patterns, written without the ``hotspare.`` prefix), lowest first. The first
+#: matching pattern wins.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("orchestrator", "orchestrator.util", "orchestrator.spec", "orchestrator.spec_*",
               "orchestrator.chaos")),
@@ -32,7 +36,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("train", ("recovery", "recovery.*", "agents.worker", "orchestrator.store.c10d")),
     ("launch", ("orchestrator.launchers", "orchestrator.launchers.*", "orchestrator.embedded",
                 "orchestrator.etcd_server", "orchestrator.torchrun_rdzv")),
-    ("face", ("orchestrator.cli", "orchestrator.cli_*", "orchestrator.commands", "orchestrator.commands.*")),
+    ("face", ("orchestrator.cli", "orchestrator.cli_*", "orchestrator.commands",
+              "orchestrator.commands.*", "")),  # "": the hotspare package, the public API
 ]
 #: Layers that stand side by side: neither may import the other.
 SIBLINGS = {"control", "node", "train"}
@@ -42,21 +47,24 @@ FLOOR = {name: (ORDER["control"] if name in SIBLINGS else ORDER[name]) for name 
 
 
 def layer_of(module: str) -> str:
+    short = module.removeprefix("hotspare").removeprefix(".")
     for name, patterns in LAYERS:
-        if any(fnmatch.fnmatchcase(module, p) for p in patterns):
+        if any(fnmatch.fnmatchcase(short, p) for p in patterns):
             return name
     raise LookupError(f"module {module} is in no layer: add it to LAYERS (and to docs/architecture.md)")
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    rel = path.relative_to(ROOT)
+    package = next(pkg for pkg, folder in FOLDERS.items() if rel.parts[0] == folder)
+    parts = [package, *rel.with_suffix("").parts[1:]]
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 def own_modules() -> dict[str, Path]:
-    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    return {module_name(p): p for folder in FOLDERS.values() for p in sorted((ROOT / folder).rglob("*.py"))}
 
 
 def imports_of(module: str, path: Path) -> set[str]:
@@ -77,7 +85,7 @@ def imports_of(module: str, path: Path) -> set[str]:
             names = [f"{base}.{a.name}" for a in node.names]
         else:
             continue
-        found.update(n for n in names if n.split(".")[0] in PACKAGES)
+        found.update(n for n in names if n.split(".")[0] in ("hotspare", *BARE))
     return found
 
 
@@ -92,7 +100,10 @@ def violations(modules: dict[str, Path]) -> list[str]:
     out = []
     for mod, path in modules.items():
         mine = layer_of(mod)
-        targets = {resolve(imp, modules) for imp in imports_of(mod, path)} - {None, mod}
+        found = imports_of(mod, path)
+        out += [f"{mod} imports {imp}: write hotspare.{imp}" for imp in sorted(found)
+                if imp.split(".")[0] in BARE]
+        targets = {resolve(imp, modules) for imp in found} - {None, mod}
         for target in sorted(targets):
             theirs = layer_of(target)
             upward = FLOOR[theirs] > FLOOR[mine]
@@ -112,14 +123,27 @@ def test_no_module_imports_a_layer_above_or_beside_its_own():
     assert not bad, "imports against the layering (docs/architecture.md, Layers):\n  " + "\n  ".join(bad)
 
 
-def test_the_check_catches_an_upward_and_a_sideways_import(tmp_path):
+def test_tests_benchmarks_and_examples_import_hotspare_by_its_one_name():
+    """A bare ``import recovery`` would load a second copy of a module (the repository root is
+    on pytest's path) or, in a user's directory, the user's own ``recovery.py``."""
+    bad = []
+    for folder in ("tests", "benchmarks", "examples", "docker", "scripts"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            bad += [f"{path.relative_to(ROOT)}: {imp}" for imp in sorted(imports_of("x", path))
+                    if imp.split(".")[0] in BARE]
+    assert not bad, "imports without the hotspare. prefix:\n  " + "\n  ".join(bad)
+
+
+def test_the_check_catches_upward_sideways_and_bare_imports(tmp_path):
     """The check itself can fail: a store module importing the controller (upward) and the
-    agent lazily importing the training session (sideways) are both reported."""
+    agent lazily importing the training session (sideways) are reported, and so is an import
+    without the hotspare. prefix."""
     files = {
-        "orchestrator.store.job": "from ..controller import Controller\n",
-        "agents.agent": "def f():\n    from recovery.session import Session\n",
-        "orchestrator.controller": "",
-        "recovery.session": "",
+        "hotspare.orchestrator.store.job": "from ..controller import Controller\n",
+        "hotspare.agents.agent": "def f():\n    from hotspare.recovery.session import Session\n"
+                                 "import recovery.state\n",
+        "hotspare.orchestrator.controller": "",
+        "hotspare.recovery.session": "",
     }
     modules = {}
     for mod, text in files.items():
@@ -129,12 +153,13 @@ def test_the_check_catches_an_upward_and_a_sideways_import(tmp_path):
         modules[mod] = f
     bad = violations(modules)
     assert bad == [
-        "orchestrator.store.job (store) imports orchestrator.controller (control)",
-        "agents.agent (node) imports recovery.session (train)",
+        "hotspare.orchestrator.store.job (store) imports hotspare.orchestrator.controller (control)",
+        "hotspare.agents.agent imports recovery.state: write hotspare.recovery.state",
+        "hotspare.agents.agent (node) imports hotspare.recovery.session (train)",
     ]
 
 
-@pytest.mark.parametrize("module", ["orchestrator.cli", "agents.agent", "recovery.session"])
+@pytest.mark.parametrize("module", ["hotspare.orchestrator.cli", "hotspare.agents.agent", "hotspare.recovery.session"])
 def test_known_modules_sit_where_the_docs_say(module):
-    assert layer_of(module) == {"orchestrator.cli": "face", "agents.agent": "node",
-                                "recovery.session": "train"}[module]
+    assert layer_of(module) == {"hotspare.orchestrator.cli": "face", "hotspare.agents.agent": "node",
+                                "hotspare.recovery.session": "train"}[module]

@@ -11,15 +11,15 @@ import threading
 
 import pytest
 
-from agents.agent import Agent
-from agents.node_chaos import NodeChaos
-from agents.node_services import ring_buddies
-from agents.node_view import NodeView
-from agents.node_workers import WorkerProc, WorkerState, classify_exit
-from agents.replica import Replicator
-from agents.worker_link import EXIT_FENCED, EXIT_UNRECOVERABLE, Assignment, Heartbeat
-from orchestrator import chaos
-from orchestrator.store import Node, Seat, World
+from hotspare.agents.agent import Agent
+from hotspare.agents.node_chaos import NodeChaos
+from hotspare.agents.node_services import ring_buddies
+from hotspare.agents.node_view import NodeView
+from hotspare.agents.node_workers import WorkerProc, WorkerState, classify_exit
+from hotspare.agents.replica import Replicator
+from hotspare.agents.worker_link import EXIT_FENCED, EXIT_UNRECOVERABLE, Assignment, Heartbeat
+from hotspare.orchestrator import chaos
+from hotspare.orchestrator.store import Node, Seat, World
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from recovery.process_group import EpochSuperseded, ReconfigurableProcessGroup
+from hotspare.recovery.process_group import EpochSuperseded, ReconfigurableProcessGroup
 
 pytestmark = pytest.mark.timeout(60)
 

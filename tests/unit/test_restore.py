@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recovery.checkpoint_writer import write_rank
-from recovery.persist import try_finish
-from recovery.restore import (
+from hotspare.recovery.checkpoint_writer import write_rank
+from hotspare.recovery.persist import try_finish
+from hotspare.recovery.restore import (
     WINDOW,
     DonorBroadcast,
     LocalSlots,
@@ -22,8 +22,8 @@ from recovery.restore import (
     StepFailed,
     Unrecoverable,
 )
-from recovery.slotfile import open_slot
-from recovery.snapshot import SnapshotEngine
+from hotspare.recovery.slotfile import open_slot
+from hotspare.recovery.snapshot import SnapshotEngine
 
 
 class ScriptedGroup:

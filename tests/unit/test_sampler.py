@@ -1,4 +1,4 @@
-"""recovery.sampler.ElasticSampler without a server: exactly once per epoch through any
+"""hotspare.recovery.sampler.ElasticSampler without a server: exactly once per epoch through any
 sequence of world sizes, and a state that any rank can restore."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recovery.sampler import ElasticSampler
+from hotspare.recovery.sampler import ElasticSampler
 
 
 def run_steps(n: int, batch: int, worlds: list[int], seed: int = 0) -> list[list[tuple[int, int]]]:

@@ -1,4 +1,4 @@
-"""Unit tests for orchestrator.spec: parsing, validation messages, path resolution, round-trips.
+"""Unit tests for hotspare.orchestrator.spec: parsing, validation messages, path resolution, round-trips.
 
 No server, no torch: every test writes its own YAML (and a dummy train.py) under tmp_path.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator.spec import (
+from hotspare.orchestrator.spec import (
     CHAOS_ACTIONS,
     ChaosEntry,
     EtcdConfig,
@@ -271,7 +271,7 @@ def test_spec_error_is_a_value_error_that_exposes_field_and_source(tmp_path: Pat
 
 def test_spec_module_does_not_import_torch() -> None:
     code = (
-        "import sys, orchestrator.spec; "
+        "import sys, hotspare.orchestrator.spec; "
         "sys.exit(1 if any(m == 'torch' or m.startswith('torch.') for m in sys.modules) else 0)"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=False)
@@ -808,9 +808,9 @@ def test_parse_overrides_without_key_value_shows_the_form(item: str) -> None:
 
 
 def test_chaos_vocabulary_is_the_chaos_action_table() -> None:
-    """orchestrator.spec re-exports the names of orchestrator.chaos (one table of actions),
+    """hotspare.orchestrator.spec re-exports the names of hotspare.orchestrator.chaos (one table of actions),
     so a new action row is accepted by the spec without touching spec.py."""
-    from orchestrator import chaos, spec
+    from hotspare.orchestrator import chaos, spec
 
     assert spec.CHAOS_ACTIONS == chaos.NAMES
     assert (spec.RANK_ACTIONS, spec.NODE_ACTIONS, spec.CONTROL_ACTIONS) == (

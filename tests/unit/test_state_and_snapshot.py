@@ -17,10 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from agents.replica import ReplicaStore
-from recovery.slotfile import COMPLETE, CTRL_SIZE, WRITING, read_confirmation, read_slot, slot_steps
-from recovery.snapshot import Slot, SnapshotEngine
-from recovery.state import (
+from hotspare.agents.replica import ReplicaStore
+from hotspare.recovery.slotfile import (
+    COMPLETE,
+    CTRL_SIZE,
+    WRITING,
+    read_confirmation,
+    read_slot,
+    slot_steps,
+)
+from hotspare.recovery.snapshot import Slot, SnapshotEngine
+from hotspare.recovery.state import (
     ModuleState,
     OptimizerState,
     RNGState,
@@ -496,7 +503,7 @@ def test_point_gives_up_waiting_after_the_replication_timeout(tmp_path, caplog):
     try:
         eng.capture(-1)
         eng.wait()
-        with caplog.at_level(logging.WARNING, logger="recovery.snapshot"):
+        with caplog.at_level(logging.WARNING, logger="hotspare.recovery.snapshot"):
             eng.capture(0)  # nobody ever confirms -1
         eng.wait()
         assert any("not replicated" in r.getMessage() for r in caplog.records)
@@ -523,7 +530,7 @@ def test_a_point_waiting_when_a_new_epoch_begins_is_dropped_and_overwrites_nothi
             eng.capture(step)
             eng.wait()
         _set(prov, extra, 2)
-        with caplog.at_level(logging.WARNING, logger="recovery.snapshot"):
+        with caplog.at_level(logging.WARNING, logger="hotspare.recovery.snapshot"):
             eng.capture(2)  # waits for point 0, never confirmed
             assert not eng._idle.wait(0.3), "point 2 must wait for point 0's replication"
             new_epoch.set()

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from orchestrator.spec import JobSpec
-from orchestrator.status import job_status, next_point, rank_rows, spares, straggler_scores
-from orchestrator.store import JobSnapshot, JobState, Node, Progress, Seat, World
+from hotspare.orchestrator.spec import JobSpec
+from hotspare.orchestrator.status import job_status, next_point, rank_rows, spares, straggler_scores
+from hotspare.orchestrator.store import JobSnapshot, JobState, Node, Progress, Seat, World
 
 NOW = 1_000_000.0
 

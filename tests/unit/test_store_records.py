@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from orchestrator.store import (
+from hotspare.orchestrator.store import (
     Event,
     JobKeys,
     Node,

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from orchestrator.store import Event
-from orchestrator.timeline import SUMMARY_FIELDS, format_event, format_section, recoveries, summary
+from hotspare.orchestrator.store import Event
+from hotspare.orchestrator.timeline import (
+    SUMMARY_FIELDS,
+    format_event,
+    format_section,
+    recoveries,
+    summary,
+)
 
 
 def ev(t: float, kind: str, source: str = "x", /, **data: object) -> Event:

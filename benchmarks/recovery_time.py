@@ -14,7 +14,8 @@ Each job's ``hotspare run --json`` summary gives the recovery breakdown (from th
 event timeline): detect, decide, rebuild, restore and total seconds (total = failure to
 the moment every rank completed its first step in the new world).
 
-    .venv/bin/python benchmarks/recovery.py --trials 5
+    .venv/bin/python benchmarks/recovery_time.py --trials 5
+    .venv/bin/python benchmarks/recovery_time.py --smoke   # both scenarios, tiny and short: does it work?
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import secrets
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +32,10 @@ from common import (
     EXAMPLES,
     BenchCluster,
     base_parser,
+    finish,
     fmt,
     machine_info,
+    parse_args_smoke,
     summarize,
     table,
     write_json,
@@ -45,6 +49,9 @@ SCENARIOS = {
 }
 AIM_WORKER_KILL_S = 2.0
 AIM_NODE_LOSS_EXTRA_S = 1.0  # node loss: lease TTL + this
+#: --smoke: every scenario once, 2 ranks, a tiny model, a few steps, short timeouts
+SMOKE = {"ranks": 2, "steps": 20, "lease_ttl": 2.0, "hang_timeout": 10.0, "n_layer": 1, "n_embd": 32,
+         "job_timeout": 240.0}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated subset of " + ", ".join(SCENARIOS))
     p.add_argument("--job-timeout", type=float, default=600, help="cancel a job after this many seconds")
     p.add_argument("--workdir", help="keep etcd data, specs and job logs here (default: a temp dir, removed)")
-    a = p.parse_args(argv)
+    a = parse_args_smoke(p, argv, SMOKE)
     a.scenarios = [s.strip().replace("-", "_") for s in a.scenarios.split(",") if s.strip()]
     bad = [s for s in a.scenarios if s not in SCENARIOS]
     if bad:
@@ -153,14 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for t in range(a.trials):
             for sc in a.scenarios:
-                rec = run_trial(cluster, a, sc, t, tag)
+                try:
+                    rec = run_trial(cluster, a, sc, t, tag)
+                except Exception as e:  # one broken job must not hide the others' results
+                    rec = {"scenario": sc, "trial": t, "wall_s": None, "ok": False,
+                           "problems": [f"raised {type(e).__name__}: {e}"], "log_tail": traceback.format_exc()}
                 trials.append(rec)
                 status = "ok" if rec["ok"] else "PROBLEM: " + "; ".join(rec["problems"])
                 src = (rec.get("restore_sources") or {}).get(str(a.rank))
                 print(f"  trial {t} {sc:<12} total {fmt(rec.get('total_s'))}s (detect {fmt(rec.get('detect_s'))} "
                       f"decide {fmt(rec.get('decide_s'))} rebuild {fmt(rec.get('rebuild_s'))} "
                       f"restore {fmt(rec.get('restore_s'))}); rank {a.rank} from {src or '?'}, "
-                      f"{rec.get('steps_redone', '?')} step(s) redone; job wall {rec['wall_s']}s  {status}", flush=True)
+                      f"{rec.get('steps_redone', '?')} step(s) redone; job wall {rec.get('wall_s')}s  {status}",
+                      flush=True)
     except KeyboardInterrupt:
         print("interrupted; writing what was measured", file=sys.stderr)
     finally:
@@ -198,9 +210,16 @@ def main(argv: list[str] | None = None) -> int:
         what = f" (lease TTL {a.lease_ttl:g} s + {AIM_NODE_LOSS_EXTRA_S:g} s)" if key.startswith("node") else ""
         print(f"aim: {key} median <= {v['aim_le']:g} s{what}: {fmt(v['median'])} s -> {verdict}")
 
+    problems = [f"trial {r['trial']} {r['scenario']} (job {r.get('job', '?')}): {pr}"
+                for r in trials for pr in r.get("problems", [])]
+    ran = {r["scenario"] for r in trials}
+    problems += [f"scenario {sc}: no trial ran" for sc in a.scenarios if sc not in ran]
     result: dict[str, Any] = {
         "benchmark": "recovery",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "smoke": a.smoke,
+        "ok": not problems,
+        "problems": problems,
         "lease_ttl_s": a.lease_ttl,
         "config": {"trials": a.trials, "ranks": a.ranks, "spares": 1, "ranks_per_node": 1, "steps": a.steps,
                    "kill_at_step": a.kill_at, "rank": a.rank, "hang_timeout_s": a.hang_timeout,
@@ -217,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update({"stats": stats, "aims": aims, "trials": trials})
     path = write_json(a.json, result)
     print(f"\nwrote {path}")
-    return 0 if trials and all(r["ok"] for r in trials) else 1
+    return finish("recovery_time", problems)
 
 
 if __name__ == "__main__":

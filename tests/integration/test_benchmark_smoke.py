@@ -1,0 +1,129 @@
+"""Benchmarks cannot rot: each benchmark's ``--smoke`` mode runs here, end to end.
+
+A smoke run is tiny (2 ranks, a few steps, one trial) but exercises every run of its
+benchmark; it exits non-zero and names the run when any of them reports a problem. Its
+numbers mean nothing and are not checked (the machine is shared and noisy): only that every
+run was ok, by the exit code and by the JSON each benchmark writes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "benchmarks"
+RESULTS = BENCH / "out"
+TIMEOUT = 540  # seconds per benchmark run: generous, a smoke run takes well under a minute or two
+
+
+def results_state() -> dict[str, float]:
+    """benchmarks/out/*.json and their mtimes: a smoke run must never overwrite a result."""
+    return {p.name: p.stat().st_mtime for p in RESULTS.glob("*.json")}
+
+
+def smoke(name: str, tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """Run ``benchmarks/<name>.py --smoke --json <tmp> [extra]`` with the project's Python (the
+    one running the tests: the virtualenv's) from the repository root; (result, JSON or None)."""
+    out = tmp_path / f"{name}.json"
+    before = results_state()
+    r = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--smoke", "--json", str(out), *extra],
+                       cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+    assert results_state() == before, "a smoke run touched benchmarks/out/"
+    data = json.loads(out.read_text()) if out.exists() else None
+    return r, data
+
+
+def explain(r: subprocess.CompletedProcess) -> str:
+    return f"exit code {r.returncode}\n--- stdout\n{r.stdout[-6000:]}\n--- stderr\n{r.stderr[-6000:]}"
+
+
+def assert_ok(r: subprocess.CompletedProcess, data: dict | None) -> dict:
+    assert r.returncode == 0, explain(r)
+    assert data is not None, "no JSON written\n" + explain(r)
+    assert data["smoke"] is True
+    assert data["ok"] is True and data["problems"] == [], data["problems"]
+    return data
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_recovery_time_smoke(tmp_path):
+    data = assert_ok(*smoke("recovery_time", tmp_path))
+    trials = {t["scenario"]: t for t in data["trials"]}
+    assert set(trials) == {"worker_kill", "node_loss"}
+    for sc, t in trials.items():
+        assert t["ok"] and t["state"] == "succeeded", (sc, t)
+        assert data["stats"][sc]["ok"] == 1, sc
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_lost_time_smoke(tmp_path):
+    data = assert_ok(*smoke("lost_time", tmp_path))
+    runs = ("hotspare_nofail", "hotspare_fail", "torchrun_nofail", "torchrun_fail", "plain")
+    [trial] = data["trials"]
+    for k in runs:
+        assert trial[k]["ok"], (k, trial[k])
+    assert trial["torchrun_fail"]["attempts"] == 2  # killed once, restarted, resumed
+    assert len(trial["hotspare_fail"]["recoveries"]) == 1
+    same = trial["identical_final_params"]
+    assert {k for k in same if k != "reference"} == set(runs) - {same["reference"]}
+    assert all(v is True for k, v in same.items() if k != "reference"), same
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_checkpoint_smoke(tmp_path):
+    data = assert_ok(*smoke("checkpoint", tmp_path))
+    [res] = data["results"]
+    for m in ("hotspare", "torch.save", "dcp.save", "dcp.async_save"):
+        assert res[m]["ok"] and res[m]["trials"], (m, res[m])
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_overhead_smoke(tmp_path):
+    data = assert_ok(*smoke("overhead", tmp_path))
+    modes = data["by_replication"]
+    assert set(modes) == {"process", "none"}
+    for mode, res in modes.items():
+        assert res["ok"] and res["trials"], (mode, res["problems"])
+    confirmed = modes["process"]["trials"][0]["replication"]["confirmed"]
+    assert confirmed is not None and confirmed[0] >= 0  # points really went to the buddy
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_smoke_run_fails_when_a_run_inside_it_fails(tmp_path):
+    """torchrun with a failure and no restarts cannot finish: the benchmark must say so and exit 1
+    (with the default --max-restarts the same command passes: test_lost_time_smoke)."""
+    r, data = smoke("lost_time", tmp_path, "--runs", "torchrun_fail", "--max-restarts", "0")
+    assert r.returncode == 1, explain(r)
+    failed = [ln for ln in r.stderr.splitlines() if ln.startswith("lost_time: FAILED: ")]
+    assert failed and all("torchrun_fail" in ln for ln in failed), explain(r)
+    assert any("torchrun exited with" in ln for ln in failed), explain(r)
+    assert data is not None and data["ok"] is False and data["problems"]
+    assert data["trials"][0]["torchrun_fail"]["ok"] is False
+
+
+def test_smoke_defaults_yield_to_explicit_flags_and_never_write_results(monkeypatch):
+    """--smoke changes the defaults only: a flag given with it wins, and the JSON goes to a temp
+    file unless --json is given. (Parsing only; nothing runs.)"""
+    monkeypatch.syspath_prepend(str(BENCH))
+    for mod in ("common", "lost_time"):
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+    import lost_time
+
+    try:
+        a = lost_time.parse_args(["--smoke"])
+        assert (a.trials, a.ranks, a.runs) == (1, 2, list(lost_time.SYSTEMS))
+        assert Path(a.json).parent != RESULTS and Path(a.json).exists()
+        Path(a.json).unlink()
+        a = lost_time.parse_args(["--smoke", "--runs", "torchrun_fail", "--ranks", "3", "--json", "x.json"])
+        assert (a.trials, a.ranks, a.runs, a.json, a.steps) == (1, 3, ["torchrun_fail"], "x.json",
+                                                                lost_time.SMOKE["steps"])
+        a = lost_time.parse_args([])
+        assert (a.trials, a.ranks, a.smoke) == (5, 4, False) and Path(a.json).parent == RESULTS
+    finally:
+        for mod in ("common", "lost_time"):
+            sys.modules.pop(mod, None)
