@@ -145,6 +145,27 @@ def shm_base() -> Path:
 
 
 # -- a private cluster ------------------------------------------------------------------------
+def gpt_job_spec(a: argparse.Namespace, name: str, args: dict[str, Any], *, entrypoint: str | None = None,
+                 chaos: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A hotspare spec of the GPT example for ``a.ranks`` one-rank nodes plus one spare, the
+    benchmarks' common shape (``a`` has ranks, steps, lease_ttl and hang_timeout)."""
+    spec: dict[str, Any] = {
+        "name": name,
+        "entrypoint": entrypoint or str(EXAMPLES / "gpt.py") + ":train",
+        "ranks": a.ranks,
+        "spares": 1,
+        "ranks_per_node": 1,
+        "steps": a.steps,
+        "lease_ttl": a.lease_ttl,
+        "hang_timeout": a.hang_timeout,
+        "on_no_spare": "wait",
+        "args": args,
+    }
+    if chaos:
+        spec["chaos"] = chaos
+    return spec
+
+
 class BenchCluster:
     """A private etcd on a free loopback port plus one controller; runs jobs with
     ``python -m hotspare.orchestrator.cli run SPEC --json`` and cleans up after each one (leftover
@@ -272,6 +293,6 @@ class BenchCluster:
 
 
 def _alive(pid: int) -> bool:
-    from hotspare.orchestrator.etcd_server import pid_alive
+    from hotspare.orchestrator.util import pid_alive
 
     return pid_alive(pid)

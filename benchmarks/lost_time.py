@@ -87,11 +87,11 @@ from pathlib import Path
 from typing import Any
 
 from common import (
-    EXAMPLES,
     BenchCluster,
     base_parser,
     finish,
     fmt,
+    gpt_job_spec,
     import_gpt,
     machine_info,
     parse_args_smoke,
@@ -191,27 +191,12 @@ LostTimeCluster = BenchCluster  # run_timed: summary, wall time and events of on
 
 
 def hotspare_spec(a: argparse.Namespace, name: str, fail: bool) -> dict[str, Any]:
-    args = gpt_args(a)
+    args, entry = gpt_args(a), None
     if a.step_sleep > 0:
         entry = f"{HERE}:hotspare_train"
         args["step_sleep"] = a.step_sleep
-    else:
-        entry = str(EXAMPLES / "gpt.py") + ":train"
-    spec: dict[str, Any] = {
-        "name": name,
-        "entrypoint": entry,
-        "ranks": a.ranks,
-        "spares": 1,
-        "ranks_per_node": 1,
-        "steps": a.steps,
-        "lease_ttl": a.lease_ttl,
-        "hang_timeout": a.hang_timeout,
-        "on_no_spare": "wait",
-        "args": args,
-    }
-    if fail:
-        spec["chaos"] = [{"at_step": a.fail_step, "action": "kill-rank", "rank": a.fail_rank}]
-    return spec
+    chaos = [{"at_step": a.fail_step, "action": "kill-rank", "rank": a.fail_rank}] if fail else None
+    return gpt_job_spec(a, name, args, entrypoint=entry, chaos=chaos)
 
 
 def run_hotspare(cluster: LostTimeCluster, a: argparse.Namespace, name: str, fail: bool) -> dict[str, Any]:

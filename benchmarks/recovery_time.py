@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from common import (
-    EXAMPLES,
     BenchCluster,
     base_parser,
     finish,
     fmt,
+    gpt_job_spec,
     machine_info,
     parse_args_smoke,
     summarize,
@@ -87,19 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def job_spec(a: argparse.Namespace, name: str, action: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "entrypoint": str(EXAMPLES / "gpt.py") + ":train",
-        "ranks": a.ranks,
-        "spares": 1,
-        "ranks_per_node": 1,
-        "steps": a.steps,
-        "lease_ttl": a.lease_ttl,
-        "hang_timeout": a.hang_timeout,
-        "on_no_spare": "wait",
-        "args": {"n_layer": a.n_layer, "n_embd": a.n_embd},
-        "chaos": [{"at_step": a.kill_at, "action": action, "rank": a.rank}],
-    }
+    return gpt_job_spec(a, name, {"n_layer": a.n_layer, "n_embd": a.n_embd},
+                        chaos=[{"at_step": a.kill_at, "action": action, "rank": a.rank}])
 
 
 def run_trial(cluster: BenchCluster, a: argparse.Namespace, scenario: str, trial: int, tag: str) -> dict[str, Any]:
