@@ -1,6 +1,7 @@
 """Small helpers every hotspare process uses: the lowest layer, standard library only.
 
-* :func:`atomic_write` -- a file appears whole or not at all (tmp, fsync, rename).
+* :func:`atomic_write` -- a file appears whole or not at all (tmp, fsync, rename);
+  :func:`atomic_target` the same for writers that take a path.
 * :class:`PeriodicWorker` -- one named daemon thread running ``once()`` every interval,
   with a stop that wakes it; a failing round is logged, never fatal.
 * :func:`pid_alive` -- a process exists and is not a zombie.
@@ -8,10 +9,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 log = logging.getLogger("hotspare")
@@ -44,6 +46,20 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, fsync: bool
     if fsync:
         fsync_dir(path.parent)
     return path
+
+
+@contextlib.contextmanager
+def atomic_target(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """For writers that take a path (``safetensors.save_file``): yields a temporary path beside
+    ``path`` and renames it over ``path`` if the block succeeds, removes it if not. Nothing is
+    held in memory, unlike :func:`atomic_write`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hotspare.orchestrator.util import atomic_write
+from hotspare.orchestrator.util import atomic_target, atomic_write
 
 from .checkpoint_store import join, step_name
 from .persist import CheckpointError, complete_steps, rank_file, read_manifest, read_rank_bytes
@@ -32,16 +32,18 @@ class FinalState:
 
 
 def write_rank(output_dir: str | Path, rank: int, step: int, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
-    from safetensors.torch import save
+    from safetensors.torch import save_file
 
     d = Path(output_dir) / "final"
     d.mkdir(parents=True, exist_ok=True)
-    raw = save(
-        {k: v.detach().clone().contiguous() for k, v in tensors.items()},  # clones: no shared storage
-        metadata={"hotspare.rank": str(rank), "hotspare.step": str(step), "hotspare.meta": json.dumps(meta)},
-    )
-    # 0o666: the umask decides; fsync=False: as before, the final barrier follows at once
-    return atomic_write(d / f"rank{rank}.safetensors", raw, fsync=False, mode=0o666)
+    path = d / f"rank{rank}.safetensors"
+    with atomic_target(path) as tmp:  # streamed to disk: no second copy of the state in memory
+        save_file(
+            {k: v.detach().clone().contiguous() for k, v in tensors.items()},  # clones: no shared storage
+            str(tmp),
+            metadata={"hotspare.rank": str(rank), "hotspare.step": str(step), "hotspare.meta": json.dumps(meta)},
+        )
+    return path
 
 
 def write_manifest(output_dir: str | Path, job: str, world_size: int, steps: int, epoch: int) -> Path:
