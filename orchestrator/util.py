@@ -27,9 +27,8 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, fsync: bool
     has a name of its own per writer (two writers never share a temp file). ``fsync`` makes
     the content durable before the rename; the directory entry is synced too."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     raw = data.encode() if isinstance(data, str) else data
-    try:
+    with atomic_target(path) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if mode is None else mode)
         try:
             view = memoryview(raw)
@@ -39,10 +38,6 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, fsync: bool
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     if fsync:
         fsync_dir(path.parent)
     return path
