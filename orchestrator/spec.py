@@ -48,6 +48,7 @@ from .spec_fields import (
 from .spec_model import (
     BACKEND_OPTIONS,
     BACKENDS,
+    ON_CODE_ERROR_POLICIES,
     ON_NO_SPARE_POLICIES,
     ChaosEntry,
     EtcdConfig,
@@ -62,8 +63,10 @@ __all__ = [
     "CHAOS_ACTIONS",
     "CONTROL_ACTIONS",
     "NODE_ACTIONS",
+    "ON_CODE_ERROR_POLICIES",
     "ON_NO_SPARE_POLICIES",
     "RANK_ACTIONS",
+    "SYSTEM_FIELDS",
     "ChaosEntry",
     "EtcdConfig",
     "JobSpec",
@@ -212,7 +215,10 @@ def _apply_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> d
 # Validation
 # --------------------------------------------------------------------------------------------
 
-_JOB_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(JobSpec))
+#: Fields ``submit`` fills in; a YAML file that sets them is refused like any unknown key.
+SYSTEM_FIELDS: tuple[str, ...] = ("run_id", "resume_from")
+_JOB_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(JobSpec) if f.name not in SYSTEM_FIELDS)
 _JOB_REQUIRED: dict[str, str] = {
     "name": "my-job",
     "entrypoint": "train.py:train",
@@ -293,7 +299,23 @@ def _parse_failure_policy(data: Mapping[str, Any], ranks: int) -> dict[str, Any]
             field="min_ranks",
         )
     return {"lease_ttl": lease_ttl, "hang_timeout": hang_timeout, "on_no_spare": on_no_spare,
-            "min_ranks": min_ranks}
+            "min_ranks": min_ranks, **_parse_failure_limits(data)}
+
+
+def _parse_failure_limits(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Code errors and the crash-loop guards: when failing again is the answer."""
+    return {
+        "on_code_error": parse_choice("on_code_error", _opt(data, "on_code_error"),
+                                      ON_CODE_ERROR_POLICIES, default=_DEFAULTS["on_code_error"]),
+        "code_error_retries": parse_int("code_error_retries", _opt(data, "code_error_retries"),
+                                        minimum=0, default=_DEFAULTS["code_error_retries"]),
+        "max_failures": parse_int("max_failures", _opt(data, "max_failures"), minimum=1,
+                                  default=_DEFAULTS["max_failures"]),
+        "failure_window": parse_seconds("failure_window", _opt(data, "failure_window"),
+                                        above=0.0, default=_DEFAULTS["failure_window"]),
+        "crash_loop_limit": parse_int("crash_loop_limit", _opt(data, "crash_loop_limit"),
+                                      minimum=2, default=_DEFAULTS["crash_loop_limit"]),
+    }
 
 
 def _parse_state_tiers(data: Mapping[str, Any], base_dir: str) -> dict[str, Any]:

@@ -19,6 +19,8 @@ from typing import Any
 
 #: What the controller does when a node dies and no spare node is left.
 ON_NO_SPARE_POLICIES: tuple[str, ...] = ("wait", "shrink", "fail")
+#: What the controller does when the training function raises (a code failure).
+ON_CODE_ERROR_POLICIES: tuple[str, ...] = ("fail", "retry")
 #: Where worker nodes come from.
 BACKENDS: tuple[str, ...] = ("local", "slurm", "kubernetes", "ray")
 #: Options of each backend's section (``slurm:``, ``kubernetes:``, ``ray:``): name -> (type, help).
@@ -178,6 +180,17 @@ class JobSpec:
     hang_timeout: float = 60.0
     on_no_spare: str = "wait"
     min_ranks: int = 1
+    #: A Python exception in the training function is a *code* failure: ``fail`` ends the job
+    #: at once with the traceback; ``retry`` restores the rank on a spare up to
+    #: ``code_error_retries`` times in the job's life, then fails.
+    on_code_error: str = "fail"
+    code_error_retries: int = 2
+    #: Crash-loop guards, for every kind of failure: more than ``max_failures`` failures within
+    #: ``failure_window`` seconds fail the job, and so does one seat failing at the same step
+    #: ``crash_loop_limit`` times in a row (each restore leading to the same failure).
+    max_failures: int = 20
+    failure_window: float = 3600.0
+    crash_loop_limit: int = 3
     replicas: int = 1
     replicate_every: int = 10
     #: Persistent tier: every N steps (a multiple of replicate_every; 0 = off) each rank's
@@ -197,6 +210,12 @@ class JobSpec:
     slurm: dict[str, Any] = field(default_factory=dict)
     kubernetes: dict[str, Any] = field(default_factory=dict)
     ray: dict[str, Any] = field(default_factory=dict)
+    #: Set by ``submit``, never by the user (not accepted in YAML): the id of this submission
+    #: of the job name, which processes, replicas and checkpoints of the run are keyed on ...
+    run_id: str = ""
+    #: ... and the run whose newest complete persisted checkpoint this one starts from
+    #: (``hotspare run --resume``); "" starts from step 0.
+    resume_from: str = ""
 
     @property
     def nodes(self) -> int:

@@ -21,11 +21,28 @@ from .client import (
     wait_until,
 )
 from .errors import Conflict, LeaseLost, StoreError, StoreUnavailable
-from .job import CONTROLLER, JobKeys, JobSnapshot, JobStore, list_jobs, parse_snapshot
-from .records import Event, EventKind, JobState, Node, Progress, Report, Seat, StateRecord, World
+from .job import CONTROLLER, JobKeys, JobSnapshot, JobStore, list_jobs, new_run_id, parse_snapshot
+from .records import (
+    Event,
+    EventKind,
+    Failure,
+    JobState,
+    Node,
+    Progress,
+    Report,
+    Seat,
+    StateRecord,
+    World,
+    last_line,
+    traceback_tail,
+)
 
 __all__ = [
     "CONTROLLER",
+    "Failure",
+    "last_line",
+    "new_run_id",
+    "traceback_tail",
     "EventKind",
     "StateRecord",
     "ENV_OPTIONS",

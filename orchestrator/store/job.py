@@ -8,6 +8,7 @@ Layout (see docs/architecture.md):
     /hotspare/<job>/cancel             cancellation request                 CLI
     /hotspare/<job>/leader             controller id, under its lease       controller
     /hotspare/<job>/checkpoint         {"step"} to persist out of schedule  CLI (hotspare checkpoint)
+    /hotspare/<job>/failures           handled failures, for the guards     controller (decision txn)
     /hotspare/<job>/epoch              current world version                controller (txn)
     /hotspare/<job>/world/<epoch>      rank -> node table                   controller (same txn)
     /hotspare/<job>/nodes/<node>       live agent, under its lease          agent
@@ -37,7 +38,7 @@ from hotspare.orchestrator.spec import JobSpec
 from . import events
 from .client import KV, Compare, Lease, Store
 from .errors import Conflict
-from .records import Event, EventKind, JobState, Node, Progress, Report, StateRecord, World
+from .records import Event, EventKind, Failure, JobState, Node, Progress, Report, StateRecord, World
 
 #: The chaos "node" name of the leader controller (``hotspare chaos --action kill-controller``).
 CONTROLLER = "_controller"
@@ -78,6 +79,10 @@ class JobKeys:
     @property
     def checkpoint(self) -> str:
         return self.prefix + "checkpoint"
+
+    @property
+    def failures(self) -> str:
+        return self.prefix + "failures"
 
     def world(self, epoch: int) -> str:
         return f"{self.prefix}world/{epoch:08d}"
@@ -128,6 +133,7 @@ class JobSnapshot:
     spec: JobSpec | None = None
     state: JobState = JobState.PENDING
     state_message: str = ""
+    state_error: str = ""  # the final state's evidence (a traceback's end), if any
     cancel: bool = False
     leader: str | None = None
     epoch: int = 0
@@ -139,6 +145,12 @@ class JobSnapshot:
     progress: dict[int, Progress] = field(default_factory=dict)
     chaos: dict[str, list[str]] = field(default_factory=dict)
     checkpoint: int | None = None  # step `hotspare checkpoint` asked to persist
+    failures: tuple[Failure, ...] = ()  # handled failures of this run, oldest first
+
+    @property
+    def run_id(self) -> str:
+        """The submission this snapshot is of ("" for a job submitted before run ids)."""
+        return self.spec.run_id if self.spec is not None else ""
 
 
 def parse_snapshot(job: str, kvs: list[KV], revision: int) -> JobSnapshot:
@@ -159,12 +171,16 @@ def parse_snapshot(job: str, kvs: list[KV], revision: int) -> JobSnapshot:
             rec = StateRecord.from_json(kv.value)
             snap.state = rec.job_state
             snap.state_message = rec.message
+            snap.state_error = rec.error
         elif rel == "cancel":
             snap.cancel = True
         elif rel == "leader":
             snap.leader = kv.value.decode()
         elif rel == "checkpoint":
             snap.checkpoint = int(json.loads(kv.value)["step"])
+        elif rel == "failures":
+            snap.failures = tuple(Failure.from_json(json.dumps(f).encode())
+                                  for f in json.loads(kv.value))
         elif rel == "epoch":
             snap.epoch = int(kv.value)
             snap.epoch_mod = kv.mod_revision
@@ -228,9 +244,11 @@ class JobStore:
         return rec.job_state, rec.message
 
     # -- writes -----------------------------------------------------------------------
-    def submit(self, spec: JobSpec | dict, secret: bytes) -> None:
-        """Create the job. Fails with Conflict if a job of that name is not finished."""
+    def submit(self, spec: JobSpec | dict, secret: bytes) -> str:
+        """Create the job; returns its run id (the spec's, or a new one when it has none).
+        Fails with Conflict if a job of that name is not finished."""
         spec = (spec if isinstance(spec, JobSpec) else JobSpec.from_dict(spec)).to_dict()  # every reader parses it
+        spec["run_id"] = spec.get("run_id") or new_run_id()
         state, _ = self.state() if self.exists() else (None, "")
         if state is not None and not state.terminal:
             raise Conflict(f"job {self.job!r} exists and is {state.value}")
@@ -246,6 +264,7 @@ class JobStore:
         )
         if not ok:
             raise Conflict(f"job {self.job!r} was submitted concurrently")
+        return spec["run_id"]
 
     def delete(self) -> None:
         """Remove every record of the job (a finished one being replaced, or one whose launch
@@ -303,21 +322,27 @@ class JobStore:
         return took, took
 
     def set_state(self, state: JobState, message: str, *, leader: str,
-                  clear_reports: Iterable[tuple[str, int]] = ()) -> bool:
-        """Record a final state, only while ``leader`` still leads (CAS on the leader key),
-        deleting the reports ``clear_reports`` names (``(node, rank)``) in the same txn."""
-        return self.store.txn(
-            [self._leader_guard(leader)],
-            puts={self.keys.state: StateRecord(state.value, time.time(), message).to_json()},
-            deletes=self._report_keys(clear_reports),
-        )
+                  clear_reports: Iterable[tuple[str, int]] = (), error: str = "",
+                  failures: Iterable[Failure] | None = None) -> bool:
+        """Record a final state (its sentence, and ``error``: the evidence), only while
+        ``leader`` still leads (CAS on the leader key), deleting the reports
+        ``clear_reports`` names (``(node, rank)``) and writing ``failures`` (the whole
+        history, when given) in the same txn."""
+        puts: dict[str, bytes | str] = {
+            self.keys.state: StateRecord(state.value, time.time(), message, error).to_json()}
+        if failures is not None:
+            puts[self.keys.failures] = _failures_json(failures)
+        return self.store.txn([self._leader_guard(leader)], puts=puts,
+                              deletes=self._report_keys(clear_reports))
 
     # -- decisions: compare-and-set on what the decision was based on ---------------------
     def commit_decision(self, snap: JobSnapshot, world: World, *, leader: str,
                         state: JobState | None = None,
-                        clear_reports: Iterable[tuple[str, int]] = ()) -> bool:
+                        clear_reports: Iterable[tuple[str, int]] = (),
+                        failures: Iterable[Failure] | None = None) -> bool:
         """Make ``world`` the current one (epoch key and world record in one txn), optionally
-        set the job's ``state`` and delete reports ``(node, rank)`` it handled.
+        set the job's ``state``, delete reports ``(node, rank)`` it handled and write the
+        failure history ``failures`` (the whole of it: the snapshot's plus the new ones).
 
         Fenced twice: on the epoch key's revision read in ``snap`` (a decision based on a
         world that has moved on since is refused, so two controllers can never both write
@@ -329,6 +354,8 @@ class JobStore:
         }
         if state is not None:
             puts[self.keys.state] = StateRecord(state.value, time.time()).to_json()
+        if failures is not None:
+            puts[self.keys.failures] = _failures_json(failures)
         return self.store.txn(self._decision_fence(snap, leader), puts=puts,
                               deletes=self._report_keys(clear_reports))
 
@@ -376,6 +403,20 @@ class JobStore:
             ):
                 out.append(json.loads(kv.value))
         return out
+
+
+#: The most failures the history keeps (the oldest go first): the guards look at a window.
+FAILURE_HISTORY = 200
+
+
+def _failures_json(failures: Iterable[Failure]) -> str:
+    kept = list(failures)[-FAILURE_HISTORY:]
+    return json.dumps([json.loads(f.to_json()) for f in kept], sort_keys=True)
+
+
+def new_run_id() -> str:
+    """A run id: sortable by submission time, unique (``20261203-154330-3fa2``)."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + os.urandom(2).hex()
 
 
 def without_secrets(spec: dict) -> dict:

@@ -128,18 +128,59 @@ class World:
         )
 
 
+#: The most of a traceback a report, a failure record or the job's final state carries (its
+#: end: the exception's own line is last). The whole one is in the rank's log.
+TRACEBACK_LIMIT = 4000
+
+
+def traceback_tail(text: str, limit: int = TRACEBACK_LIMIT) -> str:
+    """The last ``limit`` characters of ``text``, cut at a line start when it is cut at all."""
+    text = text.rstrip()
+    if len(text) <= limit:
+        return text
+    cut = text[-limit:]
+    nl = cut.find("\n")
+    return "..." + (cut[nl:] if 0 <= nl < len(cut) - 1 else cut)
+
+
+def last_line(text: str) -> str:
+    """A traceback's last non-empty line (``ValueError: boom``), or ""."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
 @dataclass(frozen=True)
 class Report(_Record):
-    """An agent's fast report that a worker holding ``rank`` is gone."""
+    """An agent's fast report that a worker holding ``rank`` is gone.
+
+    ``rank`` is -1 for a warm worker that could not start the job at all (``kind`` "error":
+    the entrypoint does not import): no seat is lost, the job cannot run anywhere."""
 
     node: str
     rank: int
     epoch: int  # the epoch the worker was in when it died
-    kind: str  # "exit", "hang", "fatal" (its rank's state cannot be restored from anywhere)
+    kind: str  # a decide.LossKind value: "error", "signal", "exit", "hang", "oom", "fenced", "fatal"
     exit_code: int | None = None
     signal: int | None = None
     time: float = 0.0
     message: str = ""
+    step: int = -1  # the step it was computing (its heartbeat's), -1 before its first step
+    traceback: str = ""  # the end of the Python traceback of a code error (traceback_tail)
+
+
+@dataclass(frozen=True)
+class Failure(_Record):
+    """One handled failure, kept for the job's life in ``/hotspare/<job>/failures``: what the
+    crash-loop guards and the code-error retry budget count (they survive a controller
+    failover because they are in etcd, not in a controller's memory)."""
+
+    time: float
+    rank: int
+    sid: int  # the seat's state id: a crash loop follows the state, not the rank number
+    node: str
+    kind: str
+    step: int = -1
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -195,7 +236,8 @@ class StateRecord(_Record):
 
     state: str
     time: float = 0.0
-    message: str = ""
+    message: str = ""  # the one sentence: what ended the job
+    error: str = ""  # the evidence of a failure: the failing rank's traceback_tail, if any
 
     @property
     def job_state(self) -> JobState:
