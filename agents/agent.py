@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -42,14 +43,36 @@ from hotspare.orchestrator.store import (
 
 from .node_chaos import NodeChaos
 from .node_services import NodeServices, ring_buddies, sweep_stale_run_dirs
-from .node_workers import WorkerProc, WorkerState, classify_exit, heartbeat_path, spawn_worker
-from .worker_link import EXIT_UNRECOVERABLE, RUNNING, STATE_NAMES, WARM, Assignment, WorkerEnv
+from .node_workers import (
+    OomCounter,
+    WorkerProc,
+    WorkerState,
+    classify_exit,
+    heartbeat_path,
+    spawn_worker,
+)
+from .worker_link import (
+    EXIT_STARTUP_ERROR,
+    EXIT_UNRECOVERABLE,
+    RUNNING,
+    STATE_NAMES,
+    WARM,
+    Assignment,
+    WorkerEnv,
+)
 
 __all__ = ["POLL", "Agent", "WorkerProc", "ring_buddies", "sweep_stale_run_dirs"]
 
 log = logging.getLogger("hotspare.agent")
 
 POLL = 0.1  # worker supervision period: a worker death is reported within this
+
+
+def default_etcd_outage_limit(lease_ttl: float) -> float:
+    """How long an agent keeps its workers training without etcd before it gives up and
+    leaves (taking them along): long enough to ride out an etcd restart, short enough that
+    the processes of a job whose etcd is gone for good (``hotspare down``) do not linger."""
+    return max(60.0, 10 * lease_ttl)
 
 
 class Agent:
@@ -66,6 +89,8 @@ class Agent:
         host: str = "127.0.0.1",
         wait_for_job: float = 120.0,
         env_for_workers: dict[str, str] | None = None,
+        run_id: str | None = None,
+        etcd_outage_limit: float | None = None,
     ) -> None:
         self.store = store
         self.js = JobStore(store, job)
@@ -83,6 +108,12 @@ class Agent:
         self._lease: Lease | None = None
         self._published_warm = -1
         self._lost_here: dict[int, int] = {}  # sid -> epoch its worker died here in
+        self._oom = OomCounter()  # the cgroup's OOM kill counter: tells an OOM kill from a SIGKILL
+        #: the submission this agent serves: given (the launcher knows it), else the spec's
+        self.run_id = run_id or ""
+        self._want_run = run_id
+        self._outage_limit = etcd_outage_limit  # None: default_etcd_outage_limit(lease_ttl)
+        self._etcd_seen = time.monotonic()  # when etcd last answered the loop
         # known once the job's spec is read (run -> _start)
         self.spec: JobSpec
         self.slots: int
@@ -99,6 +130,7 @@ class Agent:
             return 2  # what launchers have always seen for a job that never appeared
         self._start(spec)
         self._register()
+        self._etcd_seen = time.monotonic()
         cancel_watch = self.store.watch_prefix(self.js.keys.prefix, self._wake.set)
         for slot in range(self.slots):
             self._spawn(slot)
@@ -121,6 +153,9 @@ class Agent:
     def _start(self, spec: JobSpec) -> None:
         """Everything the job's spec decides, built in one place before any worker starts."""
         self.spec = spec
+        self.run_id = spec.run_id
+        if self._outage_limit is None:
+            self._outage_limit = default_etcd_outage_limit(spec.lease_ttl)
         self.slots = self._slots or spec.ranks_per_node
         self.hang_timeout = spec.hang_timeout
         self.log_dir = spec.log_dir
@@ -130,11 +165,13 @@ class Agent:
         self.chaos = NodeChaos(self.js, self.node, self.services, spec.lease_ttl)
 
     def _wait_for_spec(self) -> JobSpec | None:
+        """The job's spec once it is in etcd; with a run id given, the spec of that run (an
+        earlier run of the name may still be there)."""
         deadline = time.monotonic() + self.wait_for_job
         while time.monotonic() < deadline:
             try:
                 spec = self.js.spec()
-                if spec is not None:
+                if spec is not None and self._want_run in (None, spec.run_id):
                     return spec
             except StoreError:
                 pass
@@ -194,6 +231,7 @@ class Agent:
             woke = self._wake.wait(POLL)
             self._wake.clear()
             if self.chaos.partitioned and not self.chaos.heal_if_due(self._lease):
+                self._etcd_seen = time.monotonic()  # cut off on purpose: not an outage
                 continue  # cut off: no etcd, no reports, no watchdog
             try:
                 self._supervise()
@@ -205,20 +243,38 @@ class Agent:
                     last_read = now
                     if self._follow_job():
                         return 0
+                    self._etcd_seen = now
                 self._publish()
             except LeaseLost:
                 self._fenced("lease lost")
             except StoreError as e:
+                if self._etcd_gone():
+                    return 1
                 log.warning("etcd: %s (training continues; retrying)", e)
                 time.sleep(0.5)
         return 0
 
+    def _etcd_gone(self) -> bool:
+        """True (time to leave) once etcd has not answered for the outage limit: its job's
+        controller cannot reach us either, and a cluster taken down must not leave us behind."""
+        silent = time.monotonic() - self._etcd_seen
+        if self._outage_limit is None or silent <= self._outage_limit:
+            return False
+        log.error("etcd unreachable for %.0fs (limit %.0fs, `hotspare agent --etcd-outage-limit`): "
+                  "leaving; my workers stop with me", silent, self._outage_limit)
+        return True
+
     def _follow_job(self) -> bool:
         """Read the job once: take the seats its world gives us, run chaos sent to us.
-        True once the job has ended (the agent leaves)."""
+        True once our run is over (the agent leaves): it ended, was cancelled, or the job's
+        records are gone or belong to a newer submission of the name."""
         snap = self.js.snapshot(progress=False)
-        if snap.state.terminal:
-            log.info("job %s is %s; agent exiting", self.job, snap.state.value)
+        over = ("removed from etcd" if snap.spec is None
+                else f"now run {snap.run_id or '?'}, a new submission" if snap.run_id != self.run_id
+                else snap.state.value if snap.state.terminal
+                else "cancelled" if snap.cancel else "")
+        if over:
+            log.info("job %s (run %s) is %s; agent exiting", self.job, self.run_id or "?", over)
             return True
         self._assign(snap)
         self._publish_view(snap)
@@ -305,7 +361,8 @@ class Agent:
                 if w.state is WorkerState.ASSIGNED:
                     self._watch(w, now)
                 continue
-            if w.holds_seat and code != 0:
+            startup = code == EXIT_STARTUP_ERROR  # the job's code cannot start: no respawn loop
+            if (w.holds_seat and code != 0) or startup:
                 if not self._report_exit(w, code, now):
                     continue  # keep the record; retry next poll
             elif not w.holds_seat:
@@ -314,7 +371,9 @@ class Agent:
                 self._lost_here[w.sid] = w.epoch
             w.hb.close()
             del self.workers[slot]
-            if not (w.holds_seat and code == 0):
+            if startup:
+                log.error("slot %d: the job's code cannot start here; no new worker in this slot", slot)
+            elif not (w.holds_seat and code == 0):
                 self._spawn(slot)
 
     def _watch(self, w: WorkerProc, now: float) -> None:
@@ -331,20 +390,28 @@ class Agent:
             w.kill(wait=False)
 
     def _report_exit(self, w: WorkerProc, code: int, now: float) -> bool:
-        """Report an assigned worker's failure to the controller; False if etcd refused."""
+        """Report a worker's failure to the controller; False if etcd refused. A worker whose
+        job code could not start is reported for rank -1 (no seat is lost: the job cannot
+        run anywhere), with its traceback."""
         fatal = w.fatal_text() if code == EXIT_UNRECOVERABLE else None
-        kind, message = classify_exit(code, w.state is WorkerState.HANG_KILLED, fatal, w.proc.pid)
+        raised = w.raised()
+        oom = code == -signal.SIGKILL and self._oom.rose()
+        kind, message = classify_exit(code, w.state is WorkerState.HANG_KILLED, fatal, w.proc.pid,
+                                      raised=raised, oom=oom)
         sig = -code if code < 0 else None
-        rep = Report(node=self.node, rank=w.rank, epoch=w.epoch, kind=kind, exit_code=None if sig else code,
-                     signal=sig, time=now, message=message)
+        rank = -1 if code == EXIT_STARTUP_ERROR else w.rank
+        step = raised.step if raised is not None else w.step()
+        rep = Report(node=self.node, rank=rank, epoch=w.epoch, kind=kind, exit_code=None if sig else code,
+                     signal=sig, time=now, message=message, step=-1 if rank < 0 else step,
+                     traceback=raised.traceback if raised is not None else "")
         try:
             self.js.report(rep)
-            self.js.event(EventKind.WORKER_EXIT, self.node, rep.message, rank=w.rank, node=self.node, kind=kind,
-                          detected=now, exit_code=code)
+            self.js.event(EventKind.WORKER_EXIT, self.node, rep.message, rank=rank, node=self.node, kind=kind,
+                          detected=now, exit_code=code, step=rep.step)
         except StoreError as e:
-            log.warning("could not report rank %d exit yet: %s", w.rank, e)
+            log.warning("could not report rank %d exit yet: %s", rank, e)
             return False
-        log.warning("rank %d: %s", w.rank, rep.message)
+        log.warning("rank %d: %s", rank, rep.message)
         return True
 
     # -- workers --------------------------------------------------------------------------

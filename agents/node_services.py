@@ -70,7 +70,9 @@ class NodeServices:
                  event: Callable[..., None]) -> None:
         base = shm_base()
         sweep_stale_run_dirs(base)
-        self.run_dir = Path(tempfile.mkdtemp(prefix=f"hotspare-{job}-{node}-{os.getpid()}-", dir=base))
+        # per run and per agent process: a new run of the job name never reads an old one's slots
+        run = f"{spec.run_id}-" if spec.run_id else ""
+        self.run_dir = Path(tempfile.mkdtemp(prefix=f"hotspare-{job}-{node}-{run}{os.getpid()}-", dir=base))
         self._view = NodeView(world_size=spec.ranks)
         self._replicate = spec.replication_enabled
         replicas = ReplicaStore(self.run_dir)

@@ -8,6 +8,7 @@ sentence without touching anything, so every branch has a unit test.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from collections.abc import Mapping
@@ -15,10 +16,18 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from hotspare.orchestrator.store.records import last_line
+
 from .worker_link import (
+    EXIT_ERROR,
+    EXIT_FENCED,
+    EXIT_INFRA_ERROR,
+    EXIT_STARTUP_ERROR,
     EXIT_UNRECOVERABLE,
+    RUNNING,
     Assignment,
     Heartbeat,
+    Raised,
     WorkerEnv,
     fatal_path,
     worker_command,
@@ -79,6 +88,16 @@ class WorkerProc:
         except OSError:
             return None
 
+    def raised(self) -> Raised | None:
+        """What the worker's code raised (traceback's end, step), if it left it."""
+        return Raised.read(self.hb.path)
+
+    def step(self) -> int:
+        """The step the worker was computing by its heartbeat: one past the last it committed
+        while it ran a seat, -1 if it never ran one."""
+        state, committed = self.hb.read()[:2]
+        return committed + 1 if state >= RUNNING else -1
+
     def kill(self, wait: bool = True) -> None:
         try:
             self.proc.kill()
@@ -91,20 +110,88 @@ class WorkerProc:
                 pass
 
 
-def classify_exit(returncode: int, hang_killed: bool, fatal_text: str | None, pid: int) -> tuple[str, str]:
-    """(kind, message) of an assigned worker's non-zero exit, as the agent reports it.
+def classify_exit(returncode: int, hang_killed: bool, fatal_text: str | None, pid: int, *,
+                  raised: Raised | None = None, oom: bool = False) -> tuple[str, str]:
+    """(kind, message) of a worker's non-zero exit, as the agent reports it.
 
-    ``kind`` is what the controller acts on: ``fatal`` (its state is gone everywhere: the
-    job fails with the worker's reason, ``fatal_text``), ``hang`` (the watchdog killed it)
-    or ``exit`` (it crashed or was killed: a spare takes the seat)."""
+    ``kind`` is what the controller acts on: ``fatal`` (its state is gone everywhere: the job
+    fails with the worker's reason, ``fatal_text``), ``hang`` (the watchdog killed it),
+    ``error`` (the job's code raised: the training function, or the module while warming up;
+    ``raised`` is what the worker left), ``fenced`` (its seat had moved on: informational),
+    ``oom`` (SIGKILLed while the kernel's OOM kill counter rose), ``signal`` (killed by another
+    signal) or ``exit`` (any other exit: a crash, or an exception not caused by the code)."""
     if returncode == EXIT_UNRECOVERABLE:
         why = "its state cannot be restored (see its rank log)" if fatal_text is None else fatal_text
         return "fatal", f"worker pid {pid} cannot go on: {why}"
     if hang_killed:
         return "hang", f"worker pid {pid} hung (no heartbeat) and was killed"
+    what = last_line(raised.traceback) if raised is not None else ""
+    if returncode == EXIT_STARTUP_ERROR:
+        return "error", f"worker pid {pid} could not start the job: {what or 'its module raised (see its log)'}"
+    if returncode == EXIT_ERROR and raised is not None:
+        return "error", f"worker pid {pid} raised {what}" if what else f"worker pid {pid} raised (see its rank log)"
+    if returncode == EXIT_INFRA_ERROR:
+        return "exit", (f"worker pid {pid} stopped: its process group or hotspare's I/O failed under the "
+                        f"training function ({what or 'see its rank log'})")
+    if returncode == EXIT_FENCED:
+        return "fenced", f"worker pid {pid} left: its seat had moved on (fenced)"
     if returncode < 0:
-        return "exit", f"worker pid {pid} killed by signal {-returncode}"
+        name = _signal_name(-returncode)
+        if oom and -returncode == signal.SIGKILL:
+            return "oom", f"worker pid {pid} was killed by the kernel's OOM killer (out of memory)"
+        return "signal", f"worker pid {pid} killed by signal {-returncode} ({name})"
     return "exit", f"worker pid {pid} exited with code {returncode}"
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return "unknown signal"
+
+
+class OomCounter:
+    """The kernel's OOM kill counter (``oom_kill``) of the agent's memory cgroup, which its
+    workers share: a SIGKILL while it rose is an out-of-memory kill. Without a readable
+    counter it never rises (an OOM kill then reads as ``signal``)."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = Path(path) if path is not None else _memory_events()
+        self._seen = self.read()
+
+    def read(self) -> int:
+        try:
+            for line in self.path.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def rose(self) -> bool:
+        """Whether the counter rose since the last call (or the counter's creation)."""
+        now = self.read()
+        rose, self._seen = now > self._seen, max(now, self._seen)
+        return rose
+
+
+def _memory_events() -> Path:
+    """This process's OOM kill counter file: cgroup v2 ``memory.events`` (``/proc/self/cgroup``
+    line ``0::/path``), else cgroup v1 ``memory.oom_control`` (line ``N:memory:/path``; both
+    hold an ``oom_kill`` line), else the root's (a container sees its own cgroup as root)."""
+    cands = []
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, ctrl, path = line.split(":", 2)
+            if ctrl == "":
+                cands.append(Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.events")
+            elif "memory" in ctrl.split(","):
+                cands.append(Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.oom_control")
+    except (OSError, ValueError):
+        pass
+    cands += [Path("/sys/fs/cgroup/memory.events"), Path("/sys/fs/cgroup/memory/memory.oom_control")]
+    return next((c for c in cands if c.is_file()), cands[0])
 
 
 def heartbeat_path(run_dir: Path, slot: int) -> Path:

@@ -51,6 +51,7 @@ class Persister(PeriodicWorker):
         self.keep = spec.persist_keep
         self._points = spec.replication_enabled
         self.job = job
+        self.run_id = spec.run_id
         self.view = view
         self.event = event
         self.done: dict[int, tuple[int, int]] = {}  # sid -> newest (timeline, step) persisted (or given up on)
@@ -117,7 +118,7 @@ class Persister(PeriodicWorker):
         size = int(slot.header.get("world_size") or world_size)
         try:
             rec = persist.write_rank(slot, self.root, rank=rank, job=self.job, timeline=timeline,
-                                     world_size=size, local_dir=self.local_dir)
+                                     world_size=size, local_dir=self.local_dir, run_id=self.run_id)
         except InterruptedError as e:
             log.info("%s; next point", e)
             return
@@ -137,7 +138,7 @@ class Persister(PeriodicWorker):
             return
         self.done[sid] = key
         log.info("persisted rank %d step %d: %d bytes in %.3fs", rank, step, rec["bytes"], rec["write_s"])
-        if persist.try_finish(self.root, step, size, self.job):
+        if persist.try_finish(self.root, step, size, self.job, self.run_id):
             removed = persist.prune(self.root, self.keep)
             self.event(EventKind.PERSISTED, f"checkpoint of step {step} complete in {self.root}", step=step,
                        path=str(persist.checkpoint_path(self.root, step)), removed=removed)

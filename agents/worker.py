@@ -9,9 +9,12 @@ That warm start is what makes a swap fast: the spare's interpreter, torch and th
 module are already loaded.
 
 Exit codes (:mod:`hotspare.agents.worker_link`): 0 finished (or left before an assignment), 1 the
-training function raised, 2 the job has no spec in etcd, 3 fenced (its rank moved on
-without it), 4 unrecoverable (its state is gone everywhere; the reason is left in
-:func:`~hotspare.agents.worker_link.fatal_path` for the agent to report).
+training function raised (a code error), 2 the job has no spec in etcd, 3 fenced (its rank
+moved on without it), 4 unrecoverable (its state is gone everywhere; the reason is left in
+:func:`~hotspare.agents.worker_link.fatal_path` for the agent to report), 5 the job's module
+(or its ``warmup``) raised while warming up, 6 the training function raised but not because
+of its code (:func:`not_the_code`: its group broke under it, or hotspare's own I/O failed).
+For 1, 5 and 6 the traceback's end is left in :func:`~hotspare.agents.worker_link.error_path`.
 """
 
 from __future__ import annotations
@@ -23,24 +26,30 @@ import logging
 import os
 import signal
 import sys
+import sysconfig
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-from hotspare.orchestrator.store import JobStore, Store
+from hotspare.orchestrator.store import JobStore, Store, StoreError
+from hotspare.orchestrator.store.records import traceback_tail
 
 from .worker_link import (
     EXIT_ERROR,
     EXIT_FENCED,
+    EXIT_INFRA_ERROR,
     EXIT_NO_SPEC,
     EXIT_OK,
+    EXIT_STARTUP_ERROR,
     EXIT_UNRECOVERABLE,
     FINISHED,
     RUNNING,
     WARM,
+    WORKER_STARTED,
     Assignment,
     Heartbeat,
+    Raised,
     WorkerEnv,
     fatal_path,
 )
@@ -97,9 +106,30 @@ def prewarm_torch() -> None:
     torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 
 
+T = TypeVar("T")
+
+
+class StartupError(Exception):
+    """The job's module (or its ``warmup``) raised while the worker warmed up."""
+
+
+def _job_code(hb: Heartbeat, what: str, call: Callable[[], T]) -> T:
+    """Run the job's own code while warming up. What it raises (a ``sys.exit()`` at import
+    included: an ``argparse`` at module level) is a start-up error: the traceback goes to the
+    slot log and, for the agent, next to the heartbeat; :class:`StartupError` says which part."""
+    try:
+        return call()
+    except (Exception, SystemExit):  # noqa: BLE001 - any failure of the user's code
+        text = traceback.format_exc()
+        print(text, file=sys.stderr, flush=True)
+        Raised(traceback_tail(text)).write(hb.path)
+        raise StartupError(what) from None
+
+
 def warm_up(env: WorkerEnv, hb: Heartbeat) -> tuple[Store, JobSpec, Callable] | None:
     """Pay every cost a swap would otherwise pay after the failure: torch, etcd, the job's
-    module and its own ``warmup``. None if the job has no spec (deleted under us)."""
+    module and its own ``warmup``. None if the job has no spec (deleted under us);
+    :class:`StartupError` if the job's code raised."""
     import torch  # the expensive part of warming up
 
     import hotspare.recovery.session  # noqa: F401 - the training library too, loaded before the assignment
@@ -110,11 +140,11 @@ def warm_up(env: WorkerEnv, hb: Heartbeat) -> tuple[Store, JobSpec, Callable] | 
     if spec is None:
         print(f"job {env.job} has no spec in etcd", file=sys.stderr)
         return None
-    fn = load_entrypoint(spec.entrypoint)
+    fn = _job_code(hb, f"loading {spec.entrypoint}", lambda: load_entrypoint(spec.entrypoint))
     prewarm_torch()
     warm = getattr(sys.modules.get(fn.__module__), "warmup", None)
     if callable(warm):  # the job's own warm-up (load data, build caches) before any rank
-        warm(**spec.args)
+        _job_code(hb, "its warmup()", lambda: warm(**spec.args))
     hb.beat(-1, WARM)
     return store, spec, fn
 
@@ -135,6 +165,66 @@ def redirect_output(log_dir: Path, rank: int, node: str) -> None:
     )
 
 
+def not_the_code(e: BaseException, session: Session) -> str:
+    """Why ``e``, raised by the training function, is not a code error ("" if it is one).
+
+    A code error fails the job by default, so a crash must not pass for one. hotspare's own
+    collectives never raise (a failure is recorded and the step rolled back), but one the
+    user calls directly (DDP on ``session.process_group.backend``) does when a peer dies --
+    gloo raises a plain RuntimeError ("Connection closed by peer") -- and a step computed on
+    a broken group may trip over its garbage. So: a c10d, rendezvous or etcd error anywhere
+    in the exception's chain, a gloo/NCCL failure, an OSError raised inside hotspare (etcd,
+    snapshot files), a group that recorded a failure, or an epoch that moved on."""
+    import torch.distributed as dist
+
+    from hotspare.orchestrator.store.c10d import RendezvousAborted
+    from hotspare.recovery.process_group import EpochSuperseded, GroupBroken
+
+    for x in _chain(e):
+        if isinstance(x, (dist.DistError, EpochSuperseded, GroupBroken, RendezvousAborted, StoreError)):
+            return f"a failure of its process group or of etcd ({type(x).__name__})"
+        if isinstance(x, RuntimeError) and any(w in str(x) for w in ("gloo", "NCCL", "c10d")):
+            return "a collective failed"
+        if isinstance(x, OSError) and _through_hotspare(x):
+            return "hotspare's own I/O failed"
+    pg = session.process_group
+    if pg.error is not None:
+        return f"its process group failed ({pg.error})"
+    if session.epoch > 0 and session.link.check_epoch() > session.epoch:
+        return f"epoch {session.epoch} was superseded"
+    return ""
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from or while handling."""
+    seen: list[BaseException] = []
+    x: BaseException | None = e
+    while x is not None and x not in seen and len(seen) < 16:
+        seen.append(x)
+        x = x.__cause__ or x.__context__
+    return seen
+
+
+def _through_hotspare(e: BaseException) -> bool:
+    """Whether ``e`` was raised by hotspare's own code (called by the training function),
+    not the user's: the innermost frame outside the standard library and installed packages
+    (torch, ...) is one of hotspare's modules. A user's dataset failing to open a file inside
+    a loader hotspare drives is still the user's."""
+    libs = tuple({p for k, p in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib", "platlib")})
+    frames = []
+    tb = e.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        name = str(frame.f_globals.get("__name__", ""))
+        if name.startswith("hotspare."):
+            return True
+        if not frame.f_code.co_filename.startswith(libs):
+            return False
+    return False
+
+
 def run(fn: Callable, session: Session, spec: JobSpec, hb: Heartbeat) -> int:
     """Run the training function; map how it ended to the exit code the agent reads."""
     from hotspare.recovery.session import Fenced, Unrecoverable
@@ -151,8 +241,15 @@ def run(fn: Callable, session: Session, spec: JobSpec, hb: Heartbeat) -> int:
         except OSError:
             pass
         return EXIT_UNRECOVERABLE
-    except Exception:
+    except Exception as e:  # noqa: BLE001 - whatever the training function raised
+        text = traceback.format_exc()
         traceback.print_exc()
+        infra = not_the_code(e, session)
+        Raised(traceback_tail(text), session.committed + 1 if session.epoch > 0 else -1).write(hb.path)
+        if infra:
+            logging.warning("%s: the training function raised after %s, not because of its code",
+                            type(e).__name__, infra)
+            return EXIT_INFRA_ERROR
         return EXIT_ERROR
     hb.beat(session.committed, FINISHED)
     logging.info("finished")
@@ -166,8 +263,13 @@ def main() -> int:
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s [{env.job} {env.node} pid{os.getpid()}] %(name)s: %(message)s",
     )
+    logging.info(WORKER_STARTED)  # where this worker's part of its slot log begins (hotspare logs --rank)
     hb = Heartbeat(env.hb)
-    warm = warm_up(env, hb)
+    try:
+        warm = warm_up(env, hb)
+    except StartupError as e:
+        logging.error("the job's code raised while %s: it cannot start here", e)
+        return EXIT_STARTUP_ERROR
     if warm is None:
         return EXIT_NO_SPEC
     store, spec, fn = warm

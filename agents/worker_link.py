@@ -2,8 +2,9 @@
 
 * :class:`WorkerEnv` -- the ``HOTSPARE_*`` environment an agent starts a worker with.
 * :class:`Assignment` -- the one JSON line on the worker's stdin that gives it a rank.
-* Exit codes (``EXIT_*``) the agent tells apart, and :func:`fatal_path`, where a worker
-  leaves the reason it cannot go on.
+* Exit codes (``EXIT_*``) the agent tells apart, :func:`fatal_path`, where a worker
+  leaves the reason it cannot go on, and :func:`error_path` (:class:`Raised`), where it
+  leaves the traceback of what its code raised.
 * :class:`Heartbeat` -- a 64-byte memory-mapped file: no syscall per beat.
 
 Worker -> agent: (state, step, time, pid) at every step and while it waits inside a
@@ -49,18 +50,65 @@ def worker_command(python: str | None = None) -> list[str]:
 
 #: Exit codes of a worker process.
 EXIT_OK = 0  # finished every step
-EXIT_ERROR = 1  # the training function raised
+EXIT_ERROR = 1  # the training function raised: a code error (the traceback is in error_path)
 EXIT_NO_SPEC = 2  # the job has no spec in etcd (deleted under it)
 EXIT_FENCED = 3  # its rank moved on without it (the world no longer has its seat)
 #: its rank's state cannot be restored from anywhere: reported as a "fatal" loss, and the
 #: controller fails the job with the reason instead of trying spare after spare
 EXIT_UNRECOVERABLE = 4
+#: loading the entrypoint (or the module's ``warmup``) raised: the job's code cannot start
+#: on this node. The traceback is left in :func:`error_path`, as for ``EXIT_ERROR``.
+EXIT_STARTUP_ERROR = 5
+#: the training function raised, but not because of its code: its process group broke under
+#: it (a peer died, a newer epoch came) or hotspare's own I/O failed (etcd, snapshot files).
+#: A crash, handled like a lost worker; what it raised is in :func:`error_path` all the same.
+EXIT_INFRA_ERROR = 6
 
 
 def fatal_path(hb_path: str | Path) -> Path:
     """Where a worker leaves the reason it cannot go on, for its agent to report."""
     hb_path = Path(hb_path)
     return hb_path.with_name(hb_path.name + ".fatal")
+
+
+def error_path(hb_path: str | Path) -> Path:
+    """Where a worker whose training function or module raised (``EXIT_ERROR``,
+    ``EXIT_STARTUP_ERROR``, ``EXIT_INFRA_ERROR``) leaves what it raised (:class:`Raised`)
+    for its agent to report."""
+    hb_path = Path(hb_path)
+    return hb_path.with_name(hb_path.name + ".error")
+
+
+@dataclass(frozen=True)
+class Raised:
+    """What :func:`error_path` holds: the end of the traceback (bounded, see
+    ``records.traceback_tail``) and the step being computed (-1: before the first step)."""
+
+    traceback: str
+    step: int = -1
+
+    def write(self, hb_path: str | Path) -> bool:
+        """Leave it next to the heartbeat; False if it could not be written."""
+        try:
+            error_path(hb_path).write_text(json.dumps(dataclasses.asdict(self)))
+            return True
+        except OSError:
+            return False
+
+    @classmethod
+    def read(cls, hb_path: str | Path) -> Raised | None:
+        """What the worker left, or None (it wrote nothing, or something unreadable)."""
+        try:
+            d = json.loads(error_path(hb_path).read_text())
+            return cls(traceback=str(d["traceback"]), step=int(d.get("step", -1)))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+#: The first line a worker logs (``... [<job> <node> pid<P>] root: worker starting``). Until its
+#: assignment a worker writes to its slot's log, ``worker-<node>-slot<k>.log``, which the
+#: slot's successive workers share: ``hotspare logs --rank`` cuts it into their parts here.
+WORKER_STARTED = "worker starting"
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from common import (
 PHASES = ("detect_s", "decide_s", "rebuild_s", "restore_s", "total_s")
 SCENARIOS = {
     # scenario -> (chaos action, expected recovery kind in the summary)
-    "worker_kill": ("kill-rank", "exit"),
+    "worker_kill": ("kill-rank", "signal"),
     "node_loss": ("kill-node", "node-loss"),
 }
 AIM_WORKER_KILL_S = 2.0

@@ -7,8 +7,9 @@ The one import package. A training script needs only this module::
 
     def train(session: Session, lr: float = 1e-3) -> None:
         ...
-        session.track(model=model, optimizer=opt, data=sampler)
-        for step in session.steps():
+        loader = session.data_loader(dataset, batch_size=32, shuffle=True, num_workers=2)
+        session.track(model=model, optimizer=opt)
+        for step, batch in zip(session.steps(), loader):
             ...
 
 The implementation lives in ``hotspare.orchestrator`` (control plane, CLI, launchers),
@@ -30,6 +31,8 @@ _EXPORTS = {
     "Fenced": "hotspare.recovery.session",
     "Unrecoverable": "hotspare.recovery.session",
     "ElasticSampler": "hotspare.recovery.sampler",
+    "ElasticDataLoader": "hotspare.recovery.data",
+    "UntrackedDataLoaderWarning": "hotspare.recovery.data",
     "StateProvider": "hotspare.recovery.state",
     "ReconfigurableProcessGroup": "hotspare.recovery.process_group",
     "load_final": "hotspare.recovery.final",

@@ -91,6 +91,18 @@ def _error_line(e: BaseException) -> str:
     return str(e)
 
 
+def _reader_gone() -> int:
+    """stdout was closed early (``hotspare events JOB | head``): the reader has what it wanted.
+    Exit quietly, with stdout pointed at /dev/null so that the interpreter's last flush does
+    not complain either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -101,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     args.etcd_settings = EtcdSettings.from_flags(args)
     try:
-        return args.fn(args)
+        rc = args.fn(args)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is caught below
+        return rc
+    except BrokenPipeError:
+        return _reader_gone()
     except (CliError, StoreError, LaunchError, CheckpointError, subprocess.TimeoutExpired, OSError) as e:
         print(f"hotspare {args.cmd}: error: {_error_line(e)}", file=sys.stderr)
         return 2

@@ -18,10 +18,12 @@ import time
 from collections.abc import Iterator
 
 from . import chaos
-from .decide import Action, Decision, decide
+from .decide import Action, Decision, Loss, decide
+from .failure_guards import new_failures
 from .store import (
     CONTROLLER,
     Event,
+    Failure,
     JobSnapshot,
     JobState,
     JobStore,
@@ -31,7 +33,8 @@ from .store import (
     StoreError,
     StoreUnavailable,
     events,
-    list_jobs,
+    last_line,
+    list_runs,
 )
 
 log = logging.getLogger("hotspare.controller")
@@ -59,7 +62,10 @@ class Controller:
         self._stop = threading.Event()
         self._said: dict[str, str] = {}  # job -> last decision sentence logged (log on change)
         self._waiting: dict[str, str] = {}  # job -> last wait reason written as an event
-        self._finished: set[str] = set()
+        # (job, run id) of every run seen ending: never read again. Keyed on the run, not the
+        # name: a finished job's name may be submitted again, and the new run is served
+        self._finished: set[tuple[str, str]] = set()
+        self._runs: dict[str, str] = {}  # job -> run id last reconciled (per-run memory above)
 
     # -- leadership -----------------------------------------------------------------------
     def _ensure_lease(self) -> Lease:
@@ -107,16 +113,21 @@ class Controller:
     def _jobs(self) -> list[str]:
         if self.only_job:
             return [self.only_job]
-        return [j for j in list_jobs(self.store) if j not in self._finished]
+        return [j for j, run in list_runs(self.store).items() if (j, run) not in self._finished]
 
     def reconcile_once(self, job: str) -> Decision | None:
         """One cycle for one job. Returns the decision, or None if we are not the leader."""
         js = JobStore(self.store, job)
         snap = js.snapshot()
+        snap.now = time.time()  # the failure-rate guard's clock (decide itself reads none)
         if snap.spec is None:
             return None
+        if self._runs.get(job) != snap.run_id:  # a new submission of the name: start afresh
+            self._runs[job] = snap.run_id
+            self._said.pop(job, None)
+            self._waiting.pop(job, None)
         if snap.state.terminal:
-            self._finished.add(job)
+            self._finished.add((job, snap.run_id))
             return None
         if not self.lead(js):
             return None
@@ -155,12 +166,23 @@ class Controller:
             return self._commit_world(js, snap, d)
         state = d.final_state
         if state is not None:
-            ok = js.set_state(state, d.reason, leader=self.ident, clear_reports=d.clear_reports)
+            ok = js.set_state(state, d.reason, leader=self.ident, clear_reports=d.clear_reports,
+                              error=d.error, failures=self._history(snap, d))
             if ok:
+                for lo in d.losses:  # what failed the job, with its step and what it raised
+                    js.put_event(_failure_event(lo, snap.epoch, None, time.time(), ended_job=True))
                 js.put_event(events.final(state.value, d.reason))
-                self._finished.add(js.job)
+                self._finished.add((js.job, snap.run_id))
             return ok
         return False
+
+    @staticmethod
+    def _history(snap: JobSnapshot, d: Decision) -> tuple[Failure, ...] | None:
+        """The failure history with the losses ``d`` handles added (what the guards count),
+        or None when it handles none (the history is left as it is)."""
+        if not d.losses or snap.world is None:
+            return None
+        return snap.failures + new_failures(snap, snap.world, d.losses)
 
     def _clear(self, js: JobStore, snap: JobSnapshot, d: Decision) -> None:
         """Stale reports go without a new world; a failed delete is retried next cycle."""
@@ -175,6 +197,7 @@ class Controller:
         ok = js.commit_decision(
             snap, d.world, leader=self.ident, clear_reports=d.clear_reports,
             state=JobState.RUNNING if d.action is Action.PLACE else None,
+            failures=self._history(snap, d),
         )
         if not ok:
             log.info("[%s] decision lost a race (state changed); will re-read", js.job)
@@ -193,7 +216,13 @@ class Controller:
             yield events.placed(d.reason, d.world.epoch, [s.node for s in d.world.seats])
             return
         for i, lo in enumerate(d.losses):
-            yield events.failure(lo.rank, lo.node, lo.kind, lo.detail, d.world.epoch,
-                                 d.spares[i] if i < len(d.spares) else None, lo.detected or now)
+            yield _failure_event(lo, d.world.epoch, d.spares[i] if i < len(d.spares) else None, now)
         yield events.decided(d.action, d.reason, d.world.epoch, list(d.world.lost),
                              list(d.spares), now)
+
+
+def _failure_event(lo: Loss, epoch: int, spare: str | None, now: float, ended_job: bool = False) -> Event:
+    """The timeline's line about one handled loss: when it was seen, the step it was at, and
+    the last line of what the code raised, if it did."""
+    return events.failure(lo.rank, lo.node, lo.kind, lo.detail, epoch, spare, lo.detected or now,
+                          step=lo.step, error=last_line(lo.traceback), ended_job=ended_job)

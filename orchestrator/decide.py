@@ -8,8 +8,10 @@ sentence the controller logs.
 A running job is one situation at a time, each a function that returns its decision with
 its sentence (Patroni's ``process_*`` style): the job finished (:func:`_succeed`), nothing
 is lost (:func:`_healthy_or_grow`), a loss nobody can recover from (:func:`_fail_fatal`),
-losses a spare can take (:func:`_swap`), and losses no spare can take
-(:func:`_on_no_spare`, which applies the spec's ``on_no_spare`` policy).
+a loss a guard ends the job over (code errors, crash loops, too many failures:
+:mod:`.failure_guards`), losses a spare can take (:func:`_swap`), and losses no spare can
+take (:func:`_on_no_spare`, which applies the spec's ``on_no_spare`` policy). A job whose
+code cannot even start (a warm worker's start-up error) fails before anything else.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from . import failure_guards as guards
 from .spec import JobSpec
 from .status import straggler_scores  # noqa: F401 - also importable from here, as before
 from .store.job import JobSnapshot
@@ -43,11 +46,16 @@ class Action(str, Enum):
 
 
 class LossKind(str, Enum):
-    """Why a rank must be replaced. The agents' report kinds (``exit``, ``hang``, ``fatal``)
-    are values of it; ``str`` so it compares and serialises as the plain name."""
+    """Why a rank must be replaced. The agents' report kinds (``error``, ``signal``, ``oom``,
+    ``hang``, ``fenced``, ``exit``, ``fatal``: ``agents.node_workers.classify_exit``) are values
+    of it; ``str`` so it compares and serialises as the plain name."""
 
-    EXIT = "exit"  # the worker process exited or was killed
+    ERROR = "error"  # the training function raised: a code error (on_code_error decides)
+    SIGNAL = "signal"  # the worker was killed by a signal
+    OOM = "oom"  # the kernel's OOM killer killed it (out of memory)
+    EXIT = "exit"  # the worker process exited otherwise (a crash, or raised not by its code)
     HANG = "hang"  # no heartbeat: the agent's watchdog killed it
+    FENCED = "fenced"  # it left because its seat had moved on (usually a stale report)
     NODE_LOSS = "node-loss"  # the node's lease expired, or its agent restarted
     STRAGGLER = "straggler"  # too slow (on_straggler: replace)
     FATAL = "fatal"  # its state is gone everywhere: no spare can bring it back
@@ -65,6 +73,8 @@ class Loss:
     kind: LossKind | str  # a LossKind; a report kind from a newer agent stays a plain str
     detail: str = ""
     detected: float = 0.0  # when an agent saw it (0: seen now, by the controller)
+    step: int = -1  # the step it was computing, if its agent knows (-1: not known, or before the first)
+    traceback: str = ""  # the end of what the training function raised (a code error)
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,7 @@ class Decision:
     losses: tuple[Loss, ...] = ()
     spares: tuple[str, ...] = ()  # node chosen for each loss, same order (swap); new seats (grow)
     clear_reports: tuple[tuple[str, int], ...] = field(default=())  # handled or stale reports
+    error: str = ""  # the evidence a failed job keeps with its sentence: a traceback's end
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "action", Action(self.action))
@@ -112,6 +123,10 @@ def decide(obs: JobSnapshot) -> Decision:
         return Decision(Action.NONE, f"job {obs.job} is {obs.state.value}: nothing to do")
     if obs.cancel:
         return Decision(Action.CANCEL, f"job {obs.job} cancelled on request")
+    startup = guards.startup_error(obs)
+    if startup is not None:  # with or without a world: the code cannot start anywhere
+        return Decision(Action.FAIL, startup.reason, error=startup.error,
+                        clear_reports=tuple((r.node, r.rank) for r in obs.reports if r.rank < 0))
     if obs.world is None:
         return _place(obs, spec)
     return _reconcile(obs, spec, obs.world)
@@ -181,7 +196,7 @@ def _reported_loss(rep: Report) -> Loss:
         kind: LossKind | str = LossKind(rep.kind)
     except ValueError:  # a kind a newer agent knows: handled like any other loss
         kind = rep.kind
-    return Loss(rep.rank, rep.node, kind, detail, rep.time)
+    return Loss(rep.rank, rep.node, kind, detail, rep.time, rep.step, rep.traceback)
 
 
 def stragglers(obs: JobSnapshot, world: World, threshold: float) -> list[Loss]:
@@ -213,6 +228,9 @@ def _reconcile(obs: JobSnapshot, spec: JobSpec, world: World) -> Decision:
     handled = tuple(stale) + tuple((lo.node, lo.rank) for lo in losses)
     if any(lo.kind == LossKind.FATAL for lo in losses):
         return _fail_fatal(losses, handled)
+    verdict = guards.verdict(obs, spec, world, losses)
+    if verdict is not None:
+        return _fail(verdict.reason, losses, handled, error=verdict.error)
     chosen = _choose_spares(obs, world, losses)
     if chosen is not None:
         return _swap(obs, world, losses, chosen, handled)
@@ -290,8 +308,8 @@ def _on_no_spare(
     return _wait(short, losses)
 
 
-def _fail(sentence: str, losses: list[Loss], handled: ReportRefs) -> Decision:
-    return Decision(Action.FAIL, sentence, losses=tuple(losses), clear_reports=handled)
+def _fail(sentence: str, losses: list[Loss], handled: ReportRefs, error: str = "") -> Decision:
+    return Decision(Action.FAIL, sentence, losses=tuple(losses), clear_reports=handled, error=error)
 
 
 def _wait(short: str, losses: list[Loss]) -> Decision:
@@ -413,9 +431,13 @@ def _free_capacity(
 
 
 def _choose_spares(obs: JobSnapshot, world: World, losses: list[Loss]) -> list[str] | None:
-    """One node per loss, never a failed node; None unless every loss gets one."""
-    free = _free_capacity(obs, world, {lo.node for lo in losses}, {lo.rank for lo in losses})
-    chosen = _pick(obs, free, len(losses), warm_only=False)
+    """One node per loss, never a node where one of them failed -- unless every loss is a
+    code error being retried (on_code_error: retry) and only those nodes have room: the
+    machine is not to blame. None unless every loss gets one."""
+    lost = {lo.rank for lo in losses}
+    chosen = _pick(obs, _free_capacity(obs, world, {lo.node for lo in losses}, lost), len(losses), warm_only=False)
+    if len(chosen) < len(losses) and all(lo.kind == LossKind.ERROR for lo in losses):
+        chosen = _pick(obs, _free_capacity(obs, world, set(), lost), len(losses), warm_only=False)
     return chosen if len(chosen) == len(losses) else None
 
 

@@ -103,16 +103,45 @@ def up(state_dir: Path, log: Callable[[str], object] = print) -> Cluster:
     return c
 
 
-def down(state_dir: Path) -> bool:
+def down(state_dir: Path) -> list[str]:
+    """Stop every process of the embedded cluster of ``state_dir``: the jobs' agents and
+    their workers (each job still running is cancelled first, so it is recorded as cancelled
+    and its agents leave by themselves; what is left is signalled), then the controller and
+    etcd. Returns what it stopped, one line each (empty: nothing was running)."""
+    from .launchers.local import stop_agents  # the launcher imports this module
+
     c = load(state_dir)
-    f = _file(state_dir)
-    if c is None:
-        f.unlink(missing_ok=True)
-        return False
-    stop_pid(c.controller_pid)
-    stop_pid(c.etcd_pid)
-    f.unlink(missing_ok=True)
-    return True
+    cancelled = _cancel_jobs(c.endpoint) if c is not None else []
+    said = [f"cancelled running job(s) {', '.join(cancelled)}"] if cancelled else []
+    said += stop_agents(state_dir, grace=10.0 if cancelled else 0.0)
+    if c is not None:
+        stop_pid(c.controller_pid)
+        stop_pid(c.etcd_pid)
+        said += [f"stopped controller pid {c.controller_pid}", f"stopped etcd pid {c.etcd_pid} ({c.endpoint})"]
+    _file(state_dir).unlink(missing_ok=True)
+    return said
+
+
+def _cancel_jobs(endpoint: str) -> list[str]:
+    """Ask every unfinished job of the embedded etcd to cancel (best effort): its names."""
+    from .store import JobStore, Store, StoreError, list_jobs
+
+    try:
+        st = Store([endpoint], timeout=3.0)
+    except StoreError:
+        return []
+    try:
+        out = []
+        for job in list_jobs(st):
+            js = JobStore(st, job)
+            if not js.state()[0].terminal:
+                js.request_cancel()
+                out.append(job)
+        return out
+    except StoreError:
+        return []
+    finally:
+        st.close()
 
 
 def restart_etcd(state_dir: Path, downtime: float) -> Cluster:

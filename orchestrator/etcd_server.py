@@ -156,8 +156,34 @@ def stop_pid(pid: int, timeout: float = 10.0) -> None:
         pass
 
 
-def start_etcd(data_dir: Path, log_path: Path | None = None, detach: bool = False) -> EtcdServer:
-    srv = EtcdServer(data_dir=data_dir, client_port=free_port(), peer_port=free_port())
-    srv.start(log_path=log_path, detach=detach)
-    srv.wait_ready()
-    return srv
+def start_etcd(data_dir: Path, log_path: Path | None = None, detach: bool = False,
+               attempts: int = 3) -> EtcdServer:
+    """Start an etcd on two free loopback ports and wait until it is healthy.
+
+    A port found free can be taken by another process before etcd binds it (two etcds
+    started at once, an outgoing connection's ephemeral port): etcd then exits at once, and
+    it is started again on other ports, up to ``attempts`` times -- only when ``data_dir`` is
+    new: an existing member's data (its stored peer address) is never removed."""
+    if data_dir.exists():
+        attempts = 1
+    for attempt in range(attempts):
+        srv = EtcdServer(data_dir=data_dir, client_port=free_port(), peer_port=free_port())
+        srv.start(log_path=log_path, detach=detach)
+        try:
+            srv.wait_ready()
+            return srv
+        except RuntimeError:  # exited while starting
+            if attempt == attempts - 1 or not _bind_failed(log_path):
+                raise
+            shutil.rmtree(data_dir, ignore_errors=True)
+    raise AssertionError("unreachable")
+
+
+def _bind_failed(log_path: Path | None) -> bool:
+    """Whether etcd's log says it could not listen (its port was taken); with no log, assume so."""
+    if log_path is None:
+        return True
+    try:
+        return "address already in use" in Path(log_path).read_text(errors="replace")[-4000:]
+    except OSError:
+        return True

@@ -239,9 +239,20 @@ class JobSpec:
         return self.replicate_every if self.replication_enabled else 0
 
     @property
-    def persist_root(self) -> str:
-        """Where complete checkpoints live: ``persist_path``, else ``<output_dir>/checkpoints``."""
+    def persist_base(self) -> str:
+        """Where every run's checkpoints live: ``persist_path``, else ``<output_dir>/checkpoints``."""
         return self.persist_path or str(Path(self.output_dir or ".") / "checkpoints")
+
+    @property
+    def persist_root(self) -> str:
+        """This run's checkpoints: ``<persist_base>/<run_id>`` (the base itself for a spec
+        without a run id). A run writes, prunes and restores only here, never another run's."""
+        return _under(self.persist_base, self.run_id) if self.run_id else self.persist_base
+
+    @property
+    def resume_root(self) -> str | None:
+        """The checkpoints of the run this one resumes (``resume_from``), or None."""
+        return _under(self.persist_base, self.resume_from) if self.resume_from else None
 
     @property
     def log_dir(self) -> Path:
@@ -329,3 +340,8 @@ def yaml_shape(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "a list"
     return repr(value)
+
+
+def _under(base: str, name: str) -> str:
+    """``base/name`` for a directory or an fsspec URL."""
+    return f"{base.rstrip('/')}/{name}" if "://" in base else str(Path(base) / name)

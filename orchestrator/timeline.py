@@ -81,10 +81,11 @@ def _recovery(events: list[Event], f: Event) -> dict[str, Any]:
 
 
 def recoveries(events: list[Event]) -> list[dict[str, Any]]:
-    """Every recovery in a job's timeline, oldest first (one per controller ``failure``)."""
+    """Every recovery in a job's timeline, oldest first (one per controller ``failure``; not
+    the failures the job ended with: nothing recovered from them)."""
     events = sorted(events, key=lambda e: e.time)
     return [_recovery(events, f) for f in events
-            if f.kind == EventKind.FAILURE and f.source == "controller"]
+            if f.kind == EventKind.FAILURE and f.source == "controller" and not f.data.get("ended_job")]
 
 
 def summary(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:

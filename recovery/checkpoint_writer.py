@@ -122,12 +122,12 @@ def _write_file(view: SlotView, path: Path, head: bytes, spans: list[tuple[int, 
 
 
 def write_rank(view: SlotView, root: str | Path, *, rank: int, job: str, timeline: int,
-               world_size: int, local_dir: str | Path | None = None) -> dict:
+               world_size: int, local_dir: str | Path | None = None, run_id: str = "") -> dict:
     """Stream one rank's snapshot slot into ``root`` (via ``local_dir`` first, if given).
 
     ``timeline`` (the epoch whose restore the state descends from) and ``world_size`` go
     into the rank record: :func:`hotspare.recovery.persist.try_finish` joins only records of one
-    timeline and size.
+    timeline and size. ``run_id`` keeps the staging directory of one run apart from another's.
 
     Returns the rank record (also written as ``rank<r>.json``). Raises OSError (ENOSPC, ...)
     after removing its temporary files; nothing of an earlier checkpoint is touched.
@@ -135,12 +135,12 @@ def write_rank(view: SlotView, root: str | Path, *, rank: int, job: str, timelin
     h = view.header
     step = int(h["step"])
     meta = {"hotspare.meta": json.dumps(h["meta"], separators=(",", ":")), "hotspare.rank": str(rank),
-            "hotspare.step": str(step), "hotspare.job": job}
+            "hotspare.step": str(step), "hotspare.job": job, "hotspare.run_id": run_id}
     head, spans = _st_header(h["tensors"], meta)
     tier = tier_for(root)
     if not tier.local and not local_dir:  # an object store: stage on local disk first
         local_dir = Path(tempfile.gettempdir()) / "hotspare-persist"
-    d = step_dir(Path(local_dir) / job if local_dir else Path(root), step)
+    d = step_dir(Path(local_dir) / job / run_id if local_dir else Path(root), step)
     d.mkdir(parents=True, exist_ok=True)
     name = rank_file(rank)
     t0 = time.perf_counter()

@@ -21,7 +21,14 @@ import torch
 from hotspare.orchestrator.util import atomic_target, atomic_write
 
 from .checkpoint_store import join, step_name
-from .persist import CheckpointError, complete_steps, rank_file, read_manifest, read_rank_bytes
+from .persist import (
+    CheckpointError,
+    complete_steps,
+    rank_file,
+    read_manifest,
+    read_rank_bytes,
+    resolve_root,
+)
 
 
 @dataclass
@@ -97,7 +104,10 @@ def load_rank(root: str | Path, step: int, rank: int,
 
 
 def load_checkpoint(root: str | Path, step: int | None = None) -> FinalState:
-    """Every rank's state of a complete persisted checkpoint (the newest unless ``step``)."""
+    """Every rank's state of a complete persisted checkpoint (the newest unless ``step``).
+    ``root`` is a run's checkpoint directory, or the persist path holding every run's (then
+    the newest run with a complete checkpoint is read)."""
+    root = resolve_root(root)
     if step is None:
         steps = complete_steps(root)
         if not steps:

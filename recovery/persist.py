@@ -1,7 +1,9 @@
 """The persistent tier's format: which steps are checkpoints, completing and pruning them,
 and reading a rank's file back verified. Torch-free: the agent and the CLI use it.
 
-Layout under the persist path (a directory or an fsspec URL; ``persist_path`` in the spec)::
+Layout under the persist path (a directory or an fsspec URL; ``persist_path`` in the spec),
+one directory per run (its run id: a run writes, prunes and restores only its own; ``hotspare
+run --resume`` reads the previous run's), each holding::
 
     step00000040/rank0.safetensors   one plain safetensors file per rank
     step00000040/rank0.json          {"bytes", "crc32", ...}: written after the data is durable
@@ -46,13 +48,16 @@ from .checkpoint_writer import ST_DTYPES, STALL_S, is_disk_full, write_rank
 from .slotfile import SlotView, open_slot
 
 __all__ = ["CheckpointError", "SlotView", "open_slot", "write_rank", "try_finish", "prune",
-           "complete_steps", "read_manifest", "read_rank_bytes", "checkpoint_path", "step_dir",
+           "complete_steps", "runs", "resumable", "resolve_root", "read_manifest", "read_rank_bytes", "checkpoint_path", "step_dir",
            "rank_file", "is_disk_full", "ST_DTYPES", "STALL_S"]
 
 FORMAT = "hotspare-ckpt-1"
 
+#: a run's directory under the persist base: its run id (``20261203-154330-3fa2``)
+RUN_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]+$")
 
-def try_finish(root: str | Path, step: int, world_size: int, job: str) -> bool:
+
+def try_finish(root: str | Path, step: int, world_size: int, job: str, run_id: str = "") -> bool:
     """Write the manifest if every rank's record is there, all of one world size and one
     timeline (whoever completes the set does it; two writers write the same content
     atomically). True if this call completed it.
@@ -73,7 +78,7 @@ def try_finish(root: str | Path, step: int, world_size: int, job: str) -> bool:
             return False
     if len({rec.get("timeline") for rec in recs.values()}) != 1:
         return False
-    tier.write_json({"job": job, "step": step, "world_size": world_size, "files": recs,
+    tier.write_json({"job": job, "run_id": run_id, "step": step, "world_size": world_size, "files": recs,
                      "time": time.time(), "format": FORMAT}, sub, MANIFEST)
     tier.sync(sub)
     return True
@@ -110,6 +115,44 @@ def complete_steps(root: str | Path) -> list[int]:
         if m and tier.exists(name, MANIFEST):
             out.append(int(m.group(1)))
     return sorted(out)
+
+
+def runs(base: str | Path) -> list[str]:
+    """The run directories under a persist base (each a run id), oldest first."""
+    return sorted(n for n in tier_for(base).ls() if RUN_RE.match(n))
+
+
+def resumable(base: str | Path, world_size: int, before: str = "") -> tuple[str, int] | None:
+    """(run id, step) of the newest run under ``base`` (older than run ``before``, if given)
+    that has a complete checkpoint of ``world_size`` ranks, and its newest such step; None:
+    nothing to resume. Raises CheckpointError for the layout before run ids (step
+    directories right under ``base``), which no run id names."""
+    if not runs(base) and complete_steps(base):
+        raise CheckpointError(
+            f"{base} holds checkpoints in the layout before run ids (step directories right under "
+            f"it); to resume from them, move them into a run directory: mkdir "
+            f"{join(base, '00000000-000000-0')} && mv {join(base, 'step*')} {join(base, '00000000-000000-0')}/")
+    for run in reversed([r for r in runs(base) if not before or r < before]):
+        root = join(base, run)
+        for step in reversed(complete_steps(root)):
+            try:
+                if int(read_manifest(root, step)["world_size"]) == world_size:
+                    return run, step
+            except CheckpointError:
+                continue
+    return None
+
+
+def resolve_root(root: str | Path) -> str | Path:
+    """What a reader given a persist base means: ``root`` itself if it holds checkpoints
+    (a run's directory, or the layout before run ids), else its newest run that does."""
+    if complete_steps(root):
+        return root
+    for run in reversed(runs(root)):
+        sub = join(root, run)
+        if complete_steps(sub):
+            return sub
+    return root
 
 
 def read_manifest(root: str | Path, step: int) -> dict:

@@ -31,6 +31,12 @@ class EpochSuperseded(RuntimeError):
     """A newer epoch exists; this group's collectives are void."""
 
 
+class GroupBroken(RuntimeError):
+    """The group broke (a collective or its rendezvous failed) and no newer epoch came to
+    rebuild it: the worker gives its seat up. A crash for the controller to handle like a lost
+    worker, never a code error (``agents.worker.not_the_code``)."""
+
+
 class ReconfigurableProcessGroup:
     def __init__(
         self,

@@ -212,6 +212,19 @@ class PersistentTier:
             "every member (see the checkpoint-unusable events) and no older complete one exists"
         )
 
+    def resume(self) -> Loaded:
+        """Collective: restore the newest checkpoint every member sees (a run's start with
+        ``resume_from``). None at all: :class:`Unrecoverable`, in every member (asked to
+        resume, the run does not silently start from scratch)."""
+        newest = torch.tensor([self.newest()], dtype=torch.int64)
+        if not self.pg.allreduce_(newest, dist.ReduceOp.MIN):
+            raise StepFailed()
+        step = int(newest.item())
+        if step < 0:
+            raise Unrecoverable(f"cannot resume: no complete checkpoint of {self.me.size} ranks in {self.root} "
+                                "is readable by every rank; run without --resume to start from step 0")
+        return self.load(step)
+
     def _read(self, step: int) -> tuple[dict[str, torch.Tensor], dict, dict] | None:
         """(tensors, meta, manifest) of this member's file of ``step``; None if unusable."""
         try:
@@ -298,13 +311,18 @@ class RestoreAgreement:
         self.me = me
 
     def run(self, sources: Sequence[StateSource], tier: PersistentTier, fresh: bool,
-            started: float | None = None) -> Restored:
+            started: float | None = None, resume: PersistentTier | None = None) -> Restored:
         """``fresh``: this member's seat was added by a grow and holds nothing. ``started``:
-        when the restore began (the ``seconds`` reported count from it; default now)."""
+        when the restore began (the ``seconds`` reported count from it; default now).
+        ``resume``: the previous run's checkpoints (``hotspare run --resume``), restored
+        instead of a fresh start when nobody holds any state yet."""
         t0 = time.time() if started is None else started
         offers = [(s, s.offer()) for s in sources]
         offer: set[int] = set().union(*(o for _, o in offers))
         top, fresh_ranks = self._newest(offer, fresh)
+        if top == -2 and resume is not None:  # nothing yet: start where the resumed run was
+            got = resume.resume()
+            return Restored(got.step, got.source, got.nbytes, round(time.time() - t0, 4), seated=True)
         if top == -2:  # nobody holds any state: a fresh start
             self.engine.capture(-1)
             self.engine.wait()

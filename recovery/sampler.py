@@ -14,6 +14,14 @@ Because rank and world size are read at every step (from ``group``, e.g. the hot
 ``Session``), a shrink or grow simply continues from the agreed global position with the
 new world size: every member restores the same step, so the same position. A seat added
 by a grow takes a member's state (same position) and reads its own rank's block.
+
+``shuffle=False`` reads each epoch in order. ``drop_last=True`` never lets a step cross an
+epoch: when what is left of the epoch cannot fill a whole step (``batch_size * world_size``
+at the current world size), that tail is skipped and the step starts the next epoch, so
+each epoch reads every sample at most once.
+
+:class:`hotspare.recovery.data.ElasticDataLoader` (``session.data_loader(...)``) puts this
+sampler in front of a ``torch.utils.data.DataLoader``.
 """
 
 from __future__ import annotations
@@ -40,12 +48,16 @@ class ElasticSampler:
         rank: int = 0,
         world_size: int = 1,
         group: Any = None,
+        shuffle: bool = True,
+        drop_last: bool = False,
     ) -> None:
         if num_samples < 1 or batch_size < 1:
             raise ValueError("num_samples and batch_size must be positive")
         self.num_samples = int(num_samples)
         self.batch_size = int(batch_size)
         self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
         self._rank, self._world_size = int(rank), int(world_size)
         self.group = group
         self.epoch = 0
@@ -76,21 +88,47 @@ class ElasticSampler:
         self.epoch = int(state["epoch"])
         self.pos = int(state["pos"])
 
+    def fork(self) -> ElasticSampler:
+        """A detached copy at the same position, with the current rank and world size fixed
+        (a loader's read-ahead cursor); it shares the permutations computed so far."""
+        c = ElasticSampler(self.num_samples, self.batch_size, seed=self.seed, rank=self.rank,
+                           world_size=self.world_size, shuffle=self.shuffle, drop_last=self.drop_last)
+        c.epoch, c.pos, c._perms = self.epoch, self.pos, self._perms
+        return c
+
+    def start(self) -> tuple[int, int]:
+        """(epoch, pos) where the next step starts: the current position, or with
+        ``drop_last`` the next epoch's head when the step does not fit in this epoch."""
+        step = self.batch_size * self.world_size
+        if self.drop_last and self.pos + step > self.num_samples:
+            if step > self.num_samples:
+                raise ValueError(
+                    f"drop_last: one step ({self.batch_size} x {self.world_size} ranks) needs more "
+                    f"than the {self.num_samples} samples of an epoch; use drop_last=False or a "
+                    "smaller batch_size"
+                )
+            return self.epoch + 1, 0
+        return self.epoch, self.pos
+
     def permutation(self, epoch: int) -> torch.Tensor:
         perm = self._perms.get(epoch)
         if perm is None:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            perm = torch.randperm(self.num_samples, generator=g)
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed + epoch)
+                perm = torch.randperm(self.num_samples, generator=g)
+            else:
+                perm = torch.arange(self.num_samples)
             self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}  # keep it small
             self._perms[epoch] = perm
         return perm
 
     def locate(self, offset: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(epochs, sample ids) of ``count`` stream entries starting ``offset`` past the
-        current position, without advancing."""
+        """(epochs, sample ids) of ``count`` stream entries starting ``offset`` past where
+        the next step starts (:meth:`start`), without advancing."""
         n = self.num_samples
-        at = self.pos + offset
-        epoch, i = self.epoch + at // n, at % n
+        first, pos = self.start()
+        at = pos + offset
+        epoch, i = first + at // n, at % n
         ids, epochs = [], []
         while count > 0:
             k = min(count, n - i)
@@ -110,8 +148,9 @@ class ElasticSampler:
 
     def advance(self) -> None:
         """Move the global position past one step of the current world size."""
-        at = self.pos + self.batch_size * self.world_size
-        self.epoch, self.pos = self.epoch + at // self.num_samples, at % self.num_samples
+        epoch, pos = self.start()
+        at = pos + self.batch_size * self.world_size
+        self.epoch, self.pos = epoch + at // self.num_samples, at % self.num_samples
 
     def next(self) -> torch.Tensor:
         """This rank's sample ids for the next step; advances the global position."""

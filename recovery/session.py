@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,9 @@ from hotspare.orchestrator.store.c10d import EtcdC10dStore, RendezvousAborted
 
 from .chaos_hook import ChaosHook
 from .control import ControlLink
+from .data import ElasticDataLoader, session_loader, watch_untracked_loaders
 from .final import write_manifest, write_rank
-from .process_group import ReconfigurableProcessGroup
+from .process_group import GroupBroken, ReconfigurableProcessGroup
 from .restore import (
     WINDOW,
     LocalSlots,
@@ -157,6 +159,23 @@ class Session:
     def process_group(self) -> ReconfigurableProcessGroup:
         return self._pg
 
+    @property
+    def total_steps(self) -> int:
+        """The spec's ``steps``: what ``session.steps()`` runs to without an argument (for an
+        LR schedule's length, say), so the count is written once, in the spec."""
+        return int(self.spec.steps)
+
+    def data_loader(self, dataset: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                    drop_last: bool = False, num_workers: int = 0, collate_fn: Callable | None = None,
+                    name: str | None = None, **loader_kwargs: Any) -> ElasticDataLoader:
+        """A tracked, exactly resumable loader of a map-style dataset, sharded by rank: one
+        ``next(loader)`` per step (``for step, batch in zip(session.steps(), loader)``).
+        Call it before ``steps()``. Tracked as ``name`` (default ``data_loader``, then
+        ``data_loader1``, ...); other keywords go to ``torch.utils.data.DataLoader``. See
+        :class:`hotspare.recovery.data.ElasticDataLoader`."""
+        return session_loader(self, dataset, batch_size, name, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                              num_workers=num_workers, collate_fn=collate_fn, **loader_kwargs)
+
     def log(self, **metrics: float) -> None:
         """Record metrics for the current step (published with progress, off the step path)."""
         self.metrics.update({k: float(v) for k, v in metrics.items()})
@@ -193,6 +212,7 @@ class Session:
         """
         total = int(total if total is not None else self.spec.steps)
         self.link.start()
+        unwatch = watch_untracked_loaders(self)  # warns once if a plain DataLoader is read across steps
         try:
             step = self._join()
             while True:
@@ -220,6 +240,7 @@ class Session:
                 step += 1
             self._finish(total)
         finally:
+            unwatch()
             self.link.stop()
             self.snapshots.close()
 
@@ -270,7 +291,7 @@ class Session:
             if self.link.latest_epoch >= want:
                 break
             if time.monotonic() > deadline:
-                raise RuntimeError(
+                raise GroupBroken(
                     f"collective failed ({self._pg.error}) and no new epoch came within "
                     f"hang_timeout; giving up this worker so the controller replaces it"
                 )
@@ -321,6 +342,7 @@ class Session:
             if restored.clean:
                 self._dirty = False
             self.committed = restored.step
+            self._beat()  # the heartbeat names the restored step: a failure is reported at the step it hit
             self._resumed_pending = epoch > 1
             self.last_restore = restored.info()
             self.link.put(events.restored(rank, epoch, restored.step, **self.last_restore))
@@ -340,7 +362,9 @@ class Session:
         if not own.offer() and epoch > 1 and not fresh:
             sources.append(self._replicas)
         tier = PersistentTier(self.spec.persist_root, self.snapshots, self._pg, me, self.link.event)
-        return RestoreAgreement(self._pg, self.snapshots, me).run(sources, tier, fresh, started=t0)
+        resume = self.spec.resume_root  # `hotspare run --resume`: the previous run's checkpoints
+        prev = PersistentTier(resume, self.snapshots, self._pg, me, self.link.event) if resume else None
+        return RestoreAgreement(self._pg, self.snapshots, me).run(sources, tier, fresh, started=t0, resume=prev)
 
     def _write_final(self, total: int) -> None:
         self.snapshots.wait()

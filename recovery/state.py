@@ -228,7 +228,15 @@ class OptimizerState:
 
 
 class RNGState:
-    """torch (CPU and CUDA), numpy and Python ``random`` generator states."""
+    """torch (CPU and CUDA), numpy and Python ``random`` generator states.
+
+    Every session tracks these (``rng``): the *global* generators -- ``torch``'s default
+    CPU generator and each initialised CUDA device's, ``numpy.random``'s legacy global
+    ``RandomState`` (``np.random.rand``, ``np.random.seed``), and the ``random`` module's
+    global instance. Generators a script creates itself (``torch.Generator()``,
+    ``np.random.default_rng()``, ``random.Random()``) are not: track them with a provider.
+    Seeding is the script's job, as with torchrun: hotspare restores states, it never seeds,
+    and an unseeded generator starts from a different state in every process."""
 
     async_ok = False
 

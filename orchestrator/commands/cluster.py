@@ -31,7 +31,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     sd = state_dir(args)
-    print("stopped embedded etcd and controller; state kept in", sd if embedded.down(sd) else "")
+    said = embedded.down(sd)
+    for line in said:
+        print(line)
+    print(f"state kept in {sd}" if said else f"no embedded cluster was running ({sd})")
     return 0
 
 
@@ -49,7 +52,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     export_for_children(args, HOTSPARE_ETCD=",".join(eps))
     node = args.node or _default_node()
     agent = Agent(connect(args, eps), args.job, node, role="spare" if args.spare else "active",
-                  slots=args.slots, wait_for_job=args.wait, host=args.host)
+                  slots=args.slots, wait_for_job=args.wait, host=args.host, run_id=args.run_id,
+                  etcd_outage_limit=args.etcd_outage_limit)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     return agent.run()
 
@@ -157,6 +161,11 @@ def _agent_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--spare", action="store_true", help="register as a hot spare")
     sp.add_argument("--slots", type=int, help="worker slots (default: the spec's ranks_per_node)")
     sp.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the job to be submitted")
+    sp.add_argument("--run-id", help="serve only this submission of the job (launchers pass it; default: "
+                    "whichever the job's spec names); the agent leaves when the job is submitted again")
+    sp.add_argument("--etcd-outage-limit", type=float, metavar="SECONDS",
+                    help="leave (stopping the workers) once etcd has been unreachable this long "
+                    "(default: max(60, 10 x the spec's lease_ttl))")
 
 
 def _controller_arguments(sp: argparse.ArgumentParser) -> None:

@@ -11,10 +11,12 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from .. import embedded, timeline
+from hotspare.recovery import persist
+
+from .. import embedded, entry_check, status, timeline
 from ..launchers import Launcher, LaunchError, load_record, record_endpoints, save_record
 from ..spec import JobSpec, SpecError, load_spec, parse_overrides
-from ..store import Conflict, EventKind, JobSnapshot, JobStore, StoreError
+from ..store import Conflict, EventKind, JobSnapshot, JobStore, StoreError, new_run_id
 from .common import (
     CliError,
     Command,
@@ -77,8 +79,9 @@ def _register(args: argparse.Namespace, spec: JobSpec, backend: Launcher) -> tup
 def submit(args: argparse.Namespace) -> tuple[JobStore | None, JobSpec, list[str], dict]:
     """Register the job (see _register) and launch it: (JobStore or None, spec, endpoints,
     launch info). Agents and workers inherit the state dir and the etcd settings."""
-    spec = load(args)
+    spec = _this_run(args, load(args))
     export_for_children(args, HOTSPARE_STATE_DIR=str(state_dir(args)))
+    _check_entrypoint(args, spec)
     backend = launcher(spec.backend)
     js, eps = _register(args, spec, backend)
     Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
@@ -94,6 +97,26 @@ def submit(args: argparse.Namespace) -> tuple[JobStore | None, JobSpec, list[str
         js.event(EventKind.SUBMITTED, "cli", f"job {spec.name}: {spec.ranks} ranks + {spec.spares} spare "
                  f"node(s), {spec.steps} steps on {spec.backend}")
     return js, spec, eps, info
+
+
+def _this_run(args: argparse.Namespace, spec: JobSpec) -> JobSpec:
+    """This submission's run id and, with --resume, the run it starts from: the newest earlier
+    run of the name with a complete persisted checkpoint of this many ranks."""
+    resume_from = ""
+    if getattr(args, "resume", False):
+        try:
+            found = persist.resumable(spec.persist_base, spec.ranks)
+        except persist.CheckpointError as e:
+            raise CliError(f"--resume: {e}") from e
+        if found is None:
+            raise CliError(f"--resume: nothing to resume: no earlier run of {spec.name} left a complete "
+                           f"checkpoint of {spec.ranks} ranks in {spec.persist_base} (a run leaves one "
+                           "with persist_every set); run without --resume to start from step 0")
+        resume_from, step = found
+        print(f"resuming {spec.name} from step {step} of run {resume_from} "
+              f"({persist.checkpoint_path(persist.join(spec.persist_base, resume_from), step)})",
+              file=sys.stderr if getattr(args, "json", False) else sys.stdout, flush=True)
+    return dataclasses.replace(spec, run_id=new_run_id(), resume_from=resume_from)
 
 
 def _wait_for_etcd(args: argparse.Namespace, spec: JobSpec, out: TextIO,
@@ -123,12 +146,28 @@ def _wait_for_etcd(args: argparse.Namespace, spec: JobSpec, out: TextIO,
         time.sleep(1.0)
 
 
+def _check_entrypoint(args: argparse.Namespace, spec: JobSpec) -> None:
+    """Before anything starts: the entrypoint imports and takes (session, **args), checked in a
+    worker-like subprocess (entry_check.require: refused on backend local, only warned about on
+    others when it may be this machine's environment)."""
+    if getattr(args, "no_check", False):
+        return
+    try:
+        entry_check.require(spec.entrypoint, spec.args, spec.env, spec.backend,
+                            warn=lambda m: print(m, file=sys.stderr, flush=True))
+    except entry_check.EntryError as e:
+        raise CliError(str(e)) from e
+
+
 def _dry_run(args: argparse.Namespace) -> int:
     spec = load(args)
+    _check_entrypoint(args, spec)
     eps = list(spec.etcd.endpoints) if _explicit_endpoints(args, spec) else []
     if etcd_given(args):
         eps = endpoints(args)
-    print(f"# resolved spec\n{json.dumps(spec.to_dict(), indent=2)}\n")
+    # as comments: the output stays a valid manifest stream (`... --dry-run | kubectl apply -f -`)
+    resolved = json.dumps(spec.to_dict(), indent=2).splitlines()
+    print("# resolved spec\n" + "\n".join(f"# {ln}" for ln in resolved) + "\n")
     try:
         rendered = launcher(spec.backend).render(spec, eps)
     except (LaunchError, ValueError) as e:
@@ -152,19 +191,81 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     js, spec, eps, info = submit(args)
     out = sys.stderr if args.json else sys.stdout
+    if args.detach:
+        print(f"submitted {spec.name} on {spec.backend}: {spec.ranks} ranks + {spec.spares} spare node(s), "
+              f"{spec.steps} steps; logs in {info.get('log_dir')}\n{_follow_hint(spec.name)}", file=out)
+        return 0
     print(f"running {spec.name} on {spec.backend}: {spec.ranks} ranks + {spec.spares} spare node(s), "
-          f"{spec.steps} steps; logs in {info.get('log_dir')}", file=out)
-    if js is None:
-        if not info.get("endpoints_file") and not info.get("endpoints"):
-            raise CliError(f"submitted {spec.name}, but `hotspare run` cannot watch it from here: "
-                           f"{info.get('note') or 'its etcd is not reachable from this machine'}")
-        js, eps = _wait_for_etcd(args, spec, out, args.timeout)
+          f"{spec.steps} steps; logs in {info.get('log_dir')} (Ctrl-C cancels the job)", file=out)
     embedded_dir = None
     if spec.backend == "local" and not (etcd_given(args) or spec.etcd.endpoints):
         embedded_dir = state_dir(args)
-    state = _watch(js, spec, out, timeout=args.timeout, embedded_dir=embedded_dir)
+    try:
+        if js is None:
+            if not info.get("endpoints_file") and not info.get("endpoints"):
+                raise CliError(f"submitted {spec.name}, but `hotspare run` cannot watch it from here: "
+                               f"{info.get('note') or 'its etcd is not reachable from this machine'}")
+            js, eps = _wait_for_etcd(args, spec, out, args.timeout)
+        state = _watch(js, spec, out, timeout=args.timeout, embedded_dir=embedded_dir)
+    except KeyboardInterrupt:
+        return _interrupted(js, spec, info, out, embedded_dir, args.json)
     _summary(js, spec, state, out, embedded_dir is not None, args.json)
     return 0 if state == "succeeded" else 1
+
+
+def _follow_hint(job: str) -> str:
+    return (f"follow it: hotspare wait {job}   hotspare status {job}   hotspare events {job}   "
+            f"hotspare logs {job} --follow")
+
+
+def _interrupted(js: JobStore | None, spec: JobSpec, info: dict, out: TextIO, embedded_dir: Path | None,
+                 as_json: bool) -> int:
+    """Ctrl-C on `hotspare run`: cancel the job and wait until it stopped (a second Ctrl-C
+    leaves it stopping on its own). Exit code 130, as for any interrupted command."""
+    name = spec.name
+    print(f"\nCtrl-C: cancelling job {name} and waiting for it to stop "
+          "(Ctrl-C again to stop waiting; the job still stops)", file=out, flush=True)
+    try:
+        if js is not None:
+            js.request_cancel()
+        said = launcher(spec.backend).cancel(info)  # a scheduler's job: its allocation too
+        if said:
+            print(said, file=out, flush=True)
+        if js is None:
+            return 130
+        state = _wait_stopped(js, spec, info, out, embedded_dir)
+    except KeyboardInterrupt:
+        print(f"\nstopped waiting; job {name} is being cancelled. {_follow_hint(name)}", file=out, flush=True)
+        return 130
+    except StoreError as e:
+        raise CliError(f"could not cancel {name}: etcd: {e}; try `hotspare cancel {name}`") from e
+    _summary(js, spec, state, out, embedded_dir is not None, as_json)
+    return 130
+
+
+def _wait_stopped(js: JobStore, spec: JobSpec, info: dict, out: TextIO, embedded_dir: Path | None) -> str:
+    """Until the controller ended the job and (local backend) its agents, which stop their
+    workers first, have exited: the job's final state."""
+    backend, state, said = launcher(spec.backend), None, False
+    while True:
+        try:
+            if state is None:
+                st, _ = js.state()
+                state = st.value if st.terminal else None
+        except StoreError as e:
+            print(f"(etcd: {e}; retrying)", file=out, flush=True)
+        if state is not None:
+            if spec.backend != "local" or backend.ended(info):
+                print(f"job {spec.name} {state}; " + ("no process of it is left" if spec.backend == "local"
+                      else f"{spec.backend}: {backend.describe(info) or 'ended'}"), file=out, flush=True)
+                return state
+            if not said:
+                print(f"job {spec.name} {state}; waiting for its agents to stop their workers and exit",
+                      file=out, flush=True)
+                said = True
+        if embedded_dir is not None:
+            embedded.ensure_controller(embedded_dir, log=lambda m: print(m, file=out))
+        time.sleep(0.2)
 
 
 def _summary(js: JobStore, spec: JobSpec, state: str, out: TextIO, embedded_up: bool, as_json: bool) -> None:
@@ -175,33 +276,51 @@ def _summary(js: JobStore, spec: JobSpec, state: str, out: TextIO, embedded_up: 
         max((p.step + 1 for p in snap.progress.values()), default=0))
     print(f"\njob {spec.name} {state}: {steps_done}/{spec.steps} steps, epoch {snap.epoch}"
           + (f" ({snap.state_message})" if snap.state_message and state != "succeeded" else ""), file=out)
+    if snap.state_error:  # the failing rank's traceback, its last line last
+        print(status.error_excerpt(snap.state_error, 15), file=out)
     if recs:
         print(timeline.format_section(recs), file=out)
+    metrics = _final_metrics(snap)
+    if metrics:
+        print(f"final metrics (mean of the ranks): {status.format_metrics(metrics)}", file=out)
     losses = {r: p.metrics.get("loss") for r, p in sorted(snap.progress.items()) if "loss" in p.metrics}
-    if losses:
+    if len(losses) > 1:
         print("final loss per rank: " + ", ".join(f"{r}: {v:.4f}" for r, v in losses.items()), file=out)
+    print(f"output: {spec.output_dir} (logs: {spec.log_dir}"
+          + (", final state: load_final(output_dir)" if state == "succeeded" else "") + ")", file=out)
     if embedded_up:
         print(f"(the embedded etcd and controller keep running for `hotspare status|events|logs {spec.name}`; "
               "`hotspare down` stops them)", file=out)
     if as_json:
-        print(json.dumps({"job": spec.name, "state": state, "steps_done": steps_done,
-                          "recoveries": timeline.summary(recs)}))
+        print(json.dumps({"job": spec.name, "state": state, "message": snap.state_message,
+                          "error": snap.state_error, "steps_done": steps_done,
+                          "recoveries": timeline.summary(recs), "metrics": metrics,
+                          "output_dir": spec.output_dir}))
 
 
-def _progress_line(snap: JobSnapshot, steps: int) -> str:
-    done = [p.step + 1 for p in snap.progress.values()]
-    line = f"epoch {snap.epoch} | steps {min(done) if done else 0}/{steps} | {len(snap.nodes)} nodes up"
-    loss = [p.metrics["loss"] for p in snap.progress.values() if "loss" in p.metrics]
-    if loss:
-        line += f" | loss {sum(loss) / len(loss):.4f}"
-    return line
+def _final_metrics(snap: JobSnapshot) -> dict[str, float]:
+    """Each metric's mean over the ranks' last published progress (the last step's: a rank
+    publishes it before its done mark)."""
+    return status.mean_metrics(status.rank_rows(snap, time.time())) if snap.world else {}
+
+
+def _progress_line(snap: JobSnapshot, steps: int, shown: int = 0) -> tuple[str, int]:
+    """The line `hotspare run` keeps up to date, and its step count: never below ``shown``
+    (after a recovery the world resumes a step or two back, and a replaced rank has not
+    published a step yet; the count the user saw was true when shown)."""
+    rows = status.rank_rows(snap, time.time())
+    done = max(shown, status.job_step(rows))
+    up = sum(1 for r in rows if r.state in ("running", "straggler", "done"))
+    line = f"epoch {snap.epoch} | steps {done}/{steps} | {up}/{len(rows)} ranks running, {len(snap.nodes)} nodes up"
+    metrics = status.format_metrics(status.mean_metrics(rows), most=3)
+    return line + (f" | {metrics}" if metrics else ""), done
 
 
 def _watch(js: JobStore, spec: JobSpec, out: TextIO, timeout: float | None,
            embedded_dir: Path | None = None) -> str:
     """Print the job's new events and a progress line until it ends; its final state."""
     seen: set[tuple[float, str]] = set()
-    start, last_line, tty = time.monotonic(), "", out.isatty()
+    start, last_line, tty, shown, last_epoch = time.monotonic(), "", out.isatty(), 0, 0
     while True:
         try:
             snap = js.snapshot()
@@ -216,12 +335,12 @@ def _watch(js: JobStore, spec: JobSpec, out: TextIO, timeout: float | None,
                     print(("\r" if tty else "") + f"{ts} {ev.kind:<10} {ev.message}", file=out, flush=True)
             if snap.state.terminal:
                 return snap.state.value
-            line = _progress_line(snap, spec.steps)
+            line, shown = _progress_line(snap, spec.steps, shown)
             if tty:
                 print("\r" + line.ljust(70), end="", file=out, flush=True)
-            elif line != last_line and int(time.monotonic() - start) % 5 == 0:
-                print(line, file=out, flush=True)
-            last_line = line
+            elif line != last_line and (int(time.monotonic() - start) % 5 == 0 or snap.epoch != last_epoch):
+                print(line, file=out, flush=True)  # a log: every 5 s, and as a new world starts
+                last_line, last_epoch = line, snap.epoch
         except StoreError as e:
             print(f"(etcd: {e}; retrying)", file=out)
         if embedded_dir is not None:
@@ -258,9 +377,12 @@ def cmd_wait(args: argparse.Namespace) -> int:
                 eps = job_endpoints(args, args.job)  # CliError while its etcd is not up yet
                 js = JobStore(connect(args, eps), args.job)
             if js.exists():
-                state, msg = js.state()
+                snap = js.snapshot(progress=False)
+                state, msg = snap.state, snap.state_message
                 if state.terminal:
                     print(f"job {args.job} {state.value}" + (f": {msg}" if msg else ""), flush=True)
+                    if snap.state_error:
+                        print(status.error_excerpt(snap.state_error), flush=True)
                     return 0 if state.value == "succeeded" else 1
             elif not said:
                 print(f"waiting for job {args.job} to be registered", flush=True)
@@ -301,17 +423,34 @@ def _spec_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("spec", help="job spec YAML (see configs/)")
     sp.add_argument("--set", action="append", metavar="KEY=VALUE",
                     help="override a spec field, e.g. --set ranks=8 --set args.lr=0.1")
+    sp.add_argument("--no-check", action="store_true",
+                    help="do not check the entrypoint before starting (by default a subprocess imports "
+                    "it and binds (session, **args), as a worker would); for a module importable only "
+                    "on the cluster")
+
+
+def _resume_argument(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--resume", action="store_true",
+                    help="start from the newest complete persisted checkpoint of the previous run of this "
+                    "job name (every rank at its step) instead of step 0; says so when there is none")
 
 
 def _submit_arguments(sp: argparse.ArgumentParser) -> None:
     _spec_arguments(sp)
-    sp.add_argument("--dry-run", action="store_true", help="validate and print the resolved spec")
+    _resume_argument(sp)
+    sp.add_argument("--dry-run", action="store_true",
+                    help="validate, print the resolved spec (as # comments) and what would be launched, "
+                    "submit nothing; for kubernetes only the objects are not comments: pipe into "
+                    "`kubectl apply -f -`")
 
 
 def _run_arguments(sp: argparse.ArgumentParser) -> None:
     _spec_arguments(sp)
+    _resume_argument(sp)
     sp.add_argument("--json", action="store_true", help="print one JSON summary as the last line")
     sp.add_argument("--timeout", type=float, help="cancel the job if not done after this many seconds")
+    sp.add_argument("--detach", action="store_true",
+                    help="submit, say how to follow the job, and return at once (exit 0): for scripts")
 
 
 def _wait_arguments(sp: argparse.ArgumentParser) -> None:
@@ -325,11 +464,13 @@ def _job_argument(sp: argparse.ArgumentParser) -> None:
 
 _SUBMIT = "submit a job and return"
 _RUN = "submit a job, watch it live, print a summary; exit 1 if it failed"
+_RUN_MORE = (". Ctrl-C cancels the job and waits until it stopped (a second Ctrl-C stops waiting; "
+             "`hotspare wait JOB` follows it again); --detach returns after submitting")
 _STARTS_EMBEDDED = ". Brings the embedded cluster up if the spec uses it and none is running."
 
 COMMANDS = [
     Command("submit", cmd_submit, _SUBMIT, _SUBMIT + _STARTS_EMBEDDED, _submit_arguments),
-    Command("run", cmd_run, _RUN, _RUN + _STARTS_EMBEDDED, _run_arguments),
+    Command("run", cmd_run, _RUN, _RUN + _RUN_MORE + _STARTS_EMBEDDED, _run_arguments),
     Command("wait", cmd_wait, "block until a job finishes; exit 0 if it succeeded, 1 if not",
             "Block until JOB is succeeded, failed or cancelled (waiting for it to be registered "
             "first). For batch scripts: exit 0 if it succeeded, 1 otherwise.", _wait_arguments),

@@ -21,7 +21,16 @@ from .client import (
     wait_until,
 )
 from .errors import Conflict, LeaseLost, StoreError, StoreUnavailable
-from .job import CONTROLLER, JobKeys, JobSnapshot, JobStore, list_jobs, new_run_id, parse_snapshot
+from .job import (
+    CONTROLLER,
+    JobKeys,
+    JobSnapshot,
+    JobStore,
+    list_jobs,
+    list_runs,
+    new_run_id,
+    parse_snapshot,
+)
 from .records import (
     Event,
     EventKind,
@@ -69,6 +78,7 @@ __all__ = [
     "connect_error",
     "events",
     "list_jobs",
+    "list_runs",
     "parse_endpoint",
     "parse_snapshot",
     "store_options_from_env",

@@ -57,11 +57,15 @@ def placed(reason: str, epoch: int, seats: list[str]) -> Event:
 
 
 def failure(rank: int, node: str, kind: str, detail: str, epoch: int, spare: str | None,
-            detected: float) -> Event:
-    """A lost rank, as the controller handles it. ``epoch`` is the world that replaces it,
-    ``detected`` when it was first seen: the timeline measures detect and decide from it."""
+            detected: float, step: int = -1, error: str = "", ended_job: bool = False) -> Event:
+    """A lost rank, as the controller handles it. ``epoch`` is the world that replaces it
+    (the current one when the job fails over it: ``ended_job``, no recovery to measure),
+    ``detected`` when it was first seen: the timeline measures detect and decide from it.
+    ``step``: the step it was computing (-1: not known); ``error``: the last line of what its
+    code raised (``ValueError: boom``), if it did."""
     return make(EventKind.FAILURE, CONTROLLER_SOURCE, f"rank {rank} on {node}: {detail}",
-                rank=rank, node=node, kind=str(kind), epoch=epoch, spare=spare, detected=detected)
+                rank=rank, node=node, kind=str(kind), epoch=epoch, spare=spare, detected=detected,
+                step=step, error=error, **({"ended_job": True} if ended_job else {}))
 
 
 #: The decisions that write a new world after the first (their event kind is the action).

@@ -146,6 +146,9 @@ class JobSnapshot:
     chaos: dict[str, list[str]] = field(default_factory=dict)
     checkpoint: int | None = None  # step `hotspare checkpoint` asked to persist
     failures: tuple[Failure, ...] = ()  # handled failures of this run, oldest first
+    #: when it was read (the controller stamps time.time() after reading; 0: not stamped):
+    #: the failure-rate guard's clock, so that decide() stays a pure function
+    now: float = 0.0
 
     @property
     def run_id(self) -> str:
@@ -426,6 +429,21 @@ def without_secrets(spec: dict) -> dict:
     if isinstance(etcd, dict) and etcd.get("password") is not None:
         spec = {**spec, "etcd": {**etcd, "password": None}}
     return spec
+
+
+def list_runs(store: Store) -> dict[str, str]:
+    """Each job in this etcd -> the run id of its current submission ("" for a job submitted
+    before run ids); one read of the job prefixes, like :func:`list_jobs`."""
+    kvs, _ = store.get_prefix("/hotspare/")
+    runs = {}
+    for kv in kvs:
+        parts = kv.key.split("/")
+        if len(parts) == 4 and parts[3] == "spec":
+            try:
+                runs[parts[2]] = str(json.loads(kv.value).get("run_id") or "")
+            except (ValueError, AttributeError):
+                runs[parts[2]] = ""
+    return runs
 
 
 def list_jobs(store: Store) -> list[str]:

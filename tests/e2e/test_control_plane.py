@@ -34,7 +34,7 @@ def test_worker_kill_is_swapped_to_spare_and_survivors_keep_their_pids(cluster):
     assert summary["steps_done"] == 120
     [rec] = summary["recoveries"]
     assert rec["failed_rank"] == 1 and rec["failed_node"] == "node1"
-    assert rec["spare_node"] == "spare0" and rec["kind"] == "exit"
+    assert rec["spare_node"] == "spare0" and rec["kind"] == "signal"
     assert rec["total_s"] is not None and rec["total_s"] > 0
     events = cluster.job("kill").events()
     pids = _pids_by_rank(events)

@@ -91,7 +91,8 @@ def test_hotspare_checkpoint_persists_an_upcoming_point_of_a_running_job(cluster
     cluster.hotspare("submit", str(gpt_spec(cluster, "ondemand", steps=1_000_000, spares=0)), check=True)
     js = cluster.job("ondemand")
     cluster.wait(lambda: len(js.snapshot().progress) == 3, what="every rank training")
-    root = cluster.tmp / "out" / "ondemand" / "checkpoints"
+    root = js.snapshot().spec.persist_root  # this run's directory: <output_dir>/checkpoints/<run id>
+    assert root.startswith(str(cluster.tmp / "out" / "ondemand" / "checkpoints"))
     assert persist.complete_steps(root) == []
     r = cluster.hotspare("checkpoint", "ondemand", "--timeout", "120", timeout=150)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +39,32 @@ def test_dry_run_prints_the_resolved_spec_without_submitting(cluster):
     spec = cluster.spec_file(name="dry")
     r = cluster.hotspare("submit", str(spec), "--dry-run", check=True)
     assert '"ranks": 3' in r.stdout and not cluster.job("dry").exists()
+
+
+def test_kubernetes_dry_run_writes_only_kubernetes_objects_to_stdout(tmp_path):
+    """`hotspare submit --dry-run SPEC | kubectl apply -f -`: every YAML document on stdout is a
+    Kubernetes object (the resolved spec is there as comments), valid by the strict schema."""
+    import os
+
+    import yaml
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "kubernetes.yaml"
+    env = {k: v for k, v in os.environ.items() if k != "HOTSPARE_ETCD"}
+    r = subprocess.run([sys.executable, "-m", "hotspare.orchestrator.cli", "submit", str(config), "--dry-run",
+                        "--state-dir", str(tmp_path / "state")], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert '#   "ranks": 4,' in r.stdout  # the resolved spec, readable, as comments
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d is not None]
+    assert len(docs) >= 5
+    for d in docs:
+        assert isinstance(d, dict) and d.get("apiVersion") and d.get("kind"), d
+    try:
+        import kubernetes_validate as kv
+    except ImportError:
+        return
+    for d in docs:
+        kv.validate(d, kv.latest_version(), strict=True)
 
 
 def test_every_command_has_help(cluster):

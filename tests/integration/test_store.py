@@ -210,8 +210,37 @@ def test_the_controller_writes_the_timeline_through_the_event_constructors(etcd)
     fail = evs["failure"]
     assert fail.source == "controller" and fail.message == "rank 1 on node1: worker died (exit code 9)"
     assert fail.data == {"rank": 1, "node": "node1", "kind": "exit", "epoch": 2, "spare": "spare0",
-                         "detected": 123.0}
+                         "detected": 123.0, "step": -1, "error": ""}
     swap = evs["swap"]
     assert (swap.message, swap.data["epoch"], swap.data["lost"], swap.data["spares"]) == (
         d.reason, 2, [1], ["spare0"])
     assert set(swap.data) == {"epoch", "lost", "spares", "decided"}
+
+
+def test_the_controller_records_each_handled_failure_with_its_decision(etcd):
+    """A swap writes the failure history with the new world; a code error fails the job and
+    keeps its traceback as the state's evidence, with the history, in the same transaction."""
+    st = Store([etcd.endpoint])
+    js, _ = _placed_job(st, "history")
+    ctl = Controller(st, ident="A")
+    assert ctl.reconcile_once("history").action == "place"
+    st.put(js.keys.node("spare0"), Node("spare0", "inc-s", "spare", 1).to_json())
+    js.report(Report("node1", 1, 1, "signal", signal=9, time=100.0, step=4))
+    assert ctl.reconcile_once("history").action == "swap"
+    snap = js.snapshot()
+    assert [(f.rank, f.sid, f.node, f.kind, f.step, f.epoch, f.time) for f in snap.failures] == [
+        (1, 1, "node1", "signal", 4, 1, 100.0)]
+    tb = "Traceback (most recent call last):\n  File \"train.py\", line 3, in train\nValueError: boom"
+    js.report(Report("spare0", 1, 2, "error", exit_code=1, time=200.0, step=7, traceback=tb,
+                     message="worker pid 5 raised ValueError: boom"))
+    d = ctl.reconcile_once("history")
+    assert d.action == "fail" and d.error == tb
+    snap = js.snapshot()
+    assert snap.state is JobState.FAILED and snap.state_error == tb
+    assert snap.state_message == d.reason and "rank 1 on spare0 raised at step 7: ValueError: boom" in d.reason
+    assert [(f.node, f.kind, f.step, f.epoch) for f in snap.failures] == [("node1", "signal", 4, 1),
+                                                                          ("spare0", "error", 7, 2)]
+    assert snap.reports == [], "the handled report went with the decision"
+    [last] = [e for e in js.events() if e.kind == "failure" and e.data.get("ended_job")]
+    assert (last.data["step"], last.data["error"], last.data["spare"]) == (7, "ValueError: boom", None)
+

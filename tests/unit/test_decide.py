@@ -1083,7 +1083,7 @@ def test_decide_returns_enum_members():
 
 def test_a_report_kind_from_a_newer_agent_is_still_a_loss_swapped_to_a_spare():
     snap = snapshot_running()
-    report(snap, 1, kind="oom", message="worker ran out of memory")
+    report(snap, 1, kind="xid-error", message="its GPU fell off the bus")
     d = decide(snap)
-    assert_swapped(snap, d, {1: "spare0"}, kind="oom")
-    assert "rank 1 on node1: worker ran out of memory" in str(d)
+    assert_swapped(snap, d, {1: "spare0"}, kind="xid-error")
+    assert "rank 1 on node1: its GPU fell off the bus" in str(d)

@@ -29,7 +29,13 @@ def test_controller_events_keep_their_kinds_sources_and_data_keys():
         "placed", "controller", "placing", {"epoch": 1, "seats": ["n0", "n1"]})
     assert _shape(events.failure(1, "n1", LossKind.HANG, "hung", 2, "s0", 9.5)) == (
         "failure", "controller", "rank 1 on n1: hung",
-        {"rank": 1, "node": "n1", "kind": "hang", "epoch": 2, "spare": "s0", "detected": 9.5})
+        {"rank": 1, "node": "n1", "kind": "hang", "epoch": 2, "spare": "s0", "detected": 9.5, "step": -1,
+         "error": ""})
+    assert _shape(events.failure(1, "n1", LossKind.ERROR, "raised", 2, None, 9.5, step=5, error="ValueError: boom",
+                                 ended_job=True)) == (
+        "failure", "controller", "rank 1 on n1: raised",
+        {"rank": 1, "node": "n1", "kind": "error", "epoch": 2, "spare": None, "detected": 9.5, "step": 5,
+         "error": "ValueError: boom", "ended_job": True})
     assert _shape(events.decided(Action.SHRINK, "why", 3, [1], [], 7.0)) == (
         "shrink", "controller", "why", {"epoch": 3, "lost": [1], "spares": [], "decided": 7.0})
     assert _shape(events.final("failed", "no spare")) == ("failed", "controller", "no spare", {})

@@ -31,11 +31,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("contracts", ("recovery.slotfile", "recovery.wire", "recovery.replica_client",
                    "recovery.persist", "recovery.checkpoint*", "agents.worker_link",
                    "agents.heartbeat", "orchestrator.timeline", "orchestrator.status")),
-    ("control", ("orchestrator.decide", "orchestrator.controller")),
+    ("control", ("orchestrator.decide", "orchestrator.failure_guards", "orchestrator.controller")),
     ("node", ("agents", "agents.agent", "agents.replica", "agents.persist", "agents.node*")),
     ("train", ("recovery", "recovery.*", "agents.worker", "orchestrator.store.c10d")),
     ("launch", ("orchestrator.launchers", "orchestrator.launchers.*", "orchestrator.embedded",
-                "orchestrator.etcd_server", "orchestrator.torchrun_rdzv")),
+                "orchestrator.etcd_server", "orchestrator.torchrun_rdzv", "orchestrator.entry_check")),
     ("face", ("orchestrator.cli", "orchestrator.cli_*", "orchestrator.commands",
               "orchestrator.commands.*", "")),  # "": the hotspare package, the public API
 ]

@@ -15,9 +15,20 @@ from hotspare.agents.agent import Agent
 from hotspare.agents.node_chaos import NodeChaos
 from hotspare.agents.node_services import ring_buddies
 from hotspare.agents.node_view import NodeView
-from hotspare.agents.node_workers import WorkerProc, WorkerState, classify_exit
+from hotspare.agents.node_workers import OomCounter, WorkerProc, WorkerState, classify_exit
 from hotspare.agents.replica import Replicator
-from hotspare.agents.worker_link import EXIT_FENCED, EXIT_UNRECOVERABLE, Assignment, Heartbeat
+from hotspare.agents.worker_link import (
+    EXIT_ERROR,
+    EXIT_FENCED,
+    EXIT_INFRA_ERROR,
+    EXIT_STARTUP_ERROR,
+    EXIT_UNRECOVERABLE,
+    RUNNING,
+    Assignment,
+    Heartbeat,
+    Raised,
+    error_path,
+)
 from hotspare.orchestrator import chaos
 from hotspare.orchestrator.store import Node, Seat, World
 
@@ -25,23 +36,120 @@ pytestmark = pytest.mark.timeout(60)
 
 
 # -- exit classification ----------------------------------------------------------------------
+BOOM = Raised('Traceback (most recent call last):\n  File "train.py", line 9, in train\nValueError: boom', step=5)
+
+
 @pytest.mark.parametrize(
-    ("code", "hang_killed", "fatal", "kind", "message"),
+    ("code", "hang_killed", "fatal", "raised", "oom", "kind", "message"),
     [
-        (EXIT_UNRECOVERABLE, False, "no copy of sid 3 anywhere", "fatal",
+        (EXIT_UNRECOVERABLE, False, "no copy of sid 3 anywhere", None, False, "fatal",
          "worker pid 7 cannot go on: no copy of sid 3 anywhere"),
-        (EXIT_UNRECOVERABLE, False, None, "fatal",
+        (EXIT_UNRECOVERABLE, False, None, None, False, "fatal",
          "worker pid 7 cannot go on: its state cannot be restored (see its rank log)"),
-        (EXIT_UNRECOVERABLE, True, "gone", "fatal", "worker pid 7 cannot go on: gone"),
-        (-9, True, None, "hang", "worker pid 7 hung (no heartbeat) and was killed"),
-        (-9, False, None, "exit", "worker pid 7 killed by signal 9"),
-        (1, False, None, "exit", "worker pid 7 exited with code 1"),
-        (EXIT_FENCED, False, None, "exit", "worker pid 7 exited with code 3"),
+        (EXIT_UNRECOVERABLE, True, "gone", None, False, "fatal", "worker pid 7 cannot go on: gone"),
+        (-9, True, None, None, True, "hang", "worker pid 7 hung (no heartbeat) and was killed"),
+        (-9, False, None, None, False, "signal", "worker pid 7 killed by signal 9 (SIGKILL)"),
+        (-15, False, None, None, True, "signal", "worker pid 7 killed by signal 15 (SIGTERM)"),
+        (-9, False, None, None, True, "oom", "worker pid 7 was killed by the kernel's OOM killer (out of memory)"),
+        (EXIT_ERROR, False, None, BOOM, False, "error", "worker pid 7 raised ValueError: boom"),
+        (EXIT_ERROR, False, None, None, False, "exit", "worker pid 7 exited with code 1"),
+        (EXIT_STARTUP_ERROR, False, None, BOOM, False, "error", "worker pid 7 could not start the job: ValueError: boom"),
+        (EXIT_INFRA_ERROR, False, None, BOOM, False, "exit",
+         "worker pid 7 stopped: its process group or hotspare's I/O failed under the training function "
+         "(ValueError: boom)"),
+        (EXIT_FENCED, False, None, None, False, "fenced", "worker pid 7 left: its seat had moved on (fenced)"),
+        (17, False, None, None, False, "exit", "worker pid 7 exited with code 17"),
     ],
-    ids=["fatal-with-reason", "fatal-without-reason", "fatal-beats-hang", "hang", "signal", "error", "fenced"],
+    ids=["fatal-with-reason", "fatal-without-reason", "fatal-beats-hang", "hang-beats-oom", "signal",
+         "sigterm-is-no-oom", "oom", "code-error", "exit-1-without-traceback-is-a-crash", "startup-error",
+         "not-the-code", "fenced", "other-code"],
 )
-def test_an_exit_is_classified_as_the_controller_must_act_on_it(code, hang_killed, fatal, kind, message):
-    assert classify_exit(code, hang_killed, fatal, 7) == (kind, message)
+def test_an_exit_is_classified_as_the_controller_must_act_on_it(code, hang_killed, fatal, raised, oom, kind, message):
+    assert classify_exit(code, hang_killed, fatal, 7, raised=raised, oom=oom) == (kind, message)
+
+
+def test_the_oom_counter_rises_only_when_the_kernel_killed_for_memory(tmp_path):
+    events = tmp_path / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    oom = OomCounter(events)
+    assert oom.read() == 1 and not oom.rose(), "kills before the agent started are not ours"
+    events.write_text("low 0\nhigh 0\nmax 4\noom 2\noom_kill 2\n")
+    assert oom.rose(), "one more kill since the last look"
+    assert not oom.rose(), "each rise is seen once"
+    assert not OomCounter(tmp_path / "missing").rose(), "no cgroup file: never an OOM"
+
+
+def test_what_a_worker_raised_comes_back_from_beside_its_heartbeat(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    w = WorkerProc(slot=0, proc=proc, hb=Heartbeat(tmp_path / "slot0.hb"))
+    try:
+        proc.wait(30)
+        assert w.raised() is None and w.step() == -1, "nothing left, never ran a seat"
+        assert BOOM.write(w.hb.path)
+        assert w.raised() == BOOM
+        error_path(w.hb.path).write_text("{not json")
+        assert w.raised() is None, "a torn file is no traceback"
+        w.hb.beat(4, RUNNING)
+        assert w.step() == 5, "by its heartbeat it was computing the step after its last commit"
+    finally:
+        w.hb.close()
+
+
+class _Reports:
+    """A JobStore stand-in that keeps what the agent reports."""
+
+    def __init__(self) -> None:
+        self.reports: list = []
+        self.events: list = []
+
+    def report(self, rep) -> None:
+        self.reports.append(rep)
+
+    def event(self, kind, source, message, /, **data) -> None:
+        self.events.append((kind, message, data))
+
+
+def _exited_worker(tmp_path, slot: int, code: int, raised: Raised | None = None) -> WorkerProc:
+    proc = subprocess.Popen([sys.executable, "-c", f"import os; os._exit({code})"], stdin=subprocess.PIPE)
+    proc.wait(30)
+    w = WorkerProc(slot=slot, proc=proc, hb=Heartbeat(tmp_path / f"slot{slot}.hb"))
+    if raised is not None:
+        raised.write(w.hb.path)
+    return w
+
+
+def _supervising_agent(monkeypatch, workers: list[WorkerProc]) -> tuple[Agent, _Reports, list[int]]:
+    agent = Agent(store=None, job="j", node="node3")  # type: ignore[arg-type]
+    agent.js = _Reports()  # type: ignore[assignment]
+    agent.workers = {w.slot: w for w in workers}
+    spawned: list[int] = []
+    monkeypatch.setattr(agent, "_spawn", spawned.append)
+    return agent, agent.js, spawned  # type: ignore[return-value]
+
+
+def test_a_warm_worker_that_cannot_load_the_job_is_reported_once_and_not_respawned(tmp_path, monkeypatch):
+    startup = Raised("Traceback (most recent call last):\nModuleNotFoundError: No module named 'nowhere'")
+    agent, js, spawned = _supervising_agent(monkeypatch, [
+        _exited_worker(tmp_path, 0, EXIT_STARTUP_ERROR, startup),
+        _exited_worker(tmp_path, 1, 1),  # a warm worker that died otherwise: replaced as ever
+    ])
+    agent._supervise()
+    assert spawned == [1], "no respawn loop for a slot whose worker cannot load the job's code"
+    [rep] = js.reports
+    assert (rep.node, rep.rank, rep.kind, rep.step, rep.traceback) == ("node3", -1, "error", -1, startup.traceback)
+    assert rep.message.endswith("could not start the job: ModuleNotFoundError: No module named 'nowhere'")
+    assert agent.workers == {}
+
+
+def test_an_assigned_worker_that_raised_is_reported_with_its_traceback_and_step(tmp_path, monkeypatch):
+    w = _exited_worker(tmp_path, 0, EXIT_ERROR, BOOM)
+    w.assign(rank=2, sid=2, epoch=3)
+    agent, js, spawned = _supervising_agent(monkeypatch, [w])
+    agent._supervise()
+    [rep] = js.reports
+    assert (rep.rank, rep.epoch, rep.kind, rep.step, rep.traceback, rep.exit_code) == (2, 3, "error", 5, BOOM.traceback, 1)
+    assert js.events[0][2]["step"] == 5
+    assert spawned == [0], "its slot gets a new warm worker"
 
 
 # -- worker states ----------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hotspare.recovery.sampler import ElasticSampler
 
 
-def run_steps(n: int, batch: int, worlds: list[int], seed: int = 0) -> list[list[tuple[int, int]]]:
+def run_steps(n: int, batch: int, worlds: list[int], seed: int = 0, **kw) -> list[list[tuple[int, int]]]:
     """Every rank of every step reads its share the way a job does: each rank has its own
     sampler, restored from the state the previous step left (the same on every rank)."""
     state = {"epoch": 0, "pos": 0}
@@ -23,7 +23,7 @@ def run_steps(n: int, batch: int, worlds: list[int], seed: int = 0) -> list[list
         group = SimpleNamespace(rank=0, world_size=world)
         read, after = [], set()
         for r in range(world):
-            s = ElasticSampler(n, batch, seed=seed, group=group)
+            s = ElasticSampler(n, batch, seed=seed, group=group, **kw)
             s.load_state_dict(state)
             group.rank = r
             epochs, ids = s.peek()
@@ -113,3 +113,47 @@ def test_rank_outside_the_world_is_refused():
     s = ElasticSampler(10, 2, rank=2, world_size=2)
     with pytest.raises(ValueError, match="outside world_size"):
         s.next()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    n=st.integers(1, 60),
+    batch=st.integers(1, 6),
+    worlds=st.lists(st.integers(1, 5), min_size=1, max_size=40),
+)
+def test_drop_last_steps_never_cross_an_epoch_and_skip_only_a_tail(n, batch, worlds):
+    worlds = [w for w in worlds if batch * w <= n] or [1]
+    if batch > n:
+        return
+    steps = run_steps(n, batch, worlds, seed=1, drop_last=True)
+    by_epoch: dict[int, list[int]] = {}
+    for step in steps:
+        assert len({e for e, _ in step}) == 1, "a step crossed an epoch"
+        by_epoch.setdefault(step[0][0], []).append(len(step))
+    read = [x for step in steps for x in step]
+    assert len(set(read)) == len(read), "a sample was read twice in one epoch"
+    assert [e for e, _ in read] == sorted(e for e, _ in read)
+    for e, sizes in by_epoch.items():
+        if e < max(by_epoch):  # an epoch was left: what it skipped could not fill the next step
+            nxt = next(s for s in steps if s[0][0] > e)
+            assert n - sum(sizes) < len(nxt)
+
+
+def test_without_shuffle_every_epoch_is_read_in_order():
+    s = ElasticSampler(5, 2, shuffle=False, world_size=2)
+    assert [s.next().tolist() for _ in range(3)] == [[0, 1], [4, 0], [3, 4]]  # rank 0 of 2
+    assert s.state_dict() == {"epoch": 2, "pos": 2}
+
+
+def test_a_fork_reads_ahead_without_moving_the_original():
+    group = SimpleNamespace(rank=1, world_size=2)
+    s = ElasticSampler(50, 3, seed=4, group=group)
+    s.next()
+    ahead = s.fork()
+    group.rank, group.world_size = 0, 3  # the fork keeps the rank and world of its moment
+    assert (ahead.rank, ahead.world_size) == (1, 2)
+    first = ahead.next()
+    ahead.next()
+    assert s.state_dict() == {"epoch": 0, "pos": 6}
+    group.rank, group.world_size = 1, 2
+    assert s.next().tolist() == first.tolist()

@@ -7,8 +7,16 @@ import json
 import pytest
 
 from hotspare.orchestrator.spec import JobSpec
-from hotspare.orchestrator.status import job_status, next_point, rank_rows, spares, straggler_scores
-from hotspare.orchestrator.store import JobSnapshot, JobState, Node, Progress, Seat, World
+from hotspare.orchestrator.status import (
+    format_metrics,
+    job_status,
+    job_step,
+    next_point,
+    rank_rows,
+    spares,
+    straggler_scores,
+)
+from hotspare.orchestrator.store import JobSnapshot, JobState, Node, Progress, Report, Seat, World
 
 NOW = 1_000_000.0
 
@@ -69,9 +77,10 @@ def test_spares_are_the_live_nodes_without_a_seat():
 def test_the_json_keeps_its_fields_and_their_order():
     snap = snapshot(steps=(10, None, 10, 10), at=NOW - 3.04)
     data = json.loads(json.dumps(job_status(snap, NOW)))
-    assert list(data) == ["job", "state", "message", "epoch", "ranks", "spares", "nodes", "leader"]
+    assert list(data)[:8] == ["job", "state", "message", "epoch", "ranks", "spares", "nodes", "leader"]
+    assert {"step", "total_steps", "metrics"} <= set(data)
     assert list(data["ranks"][0]) == ["rank", "node", "state", "step", "since_epoch", "step_time",
-                                      "compute_time", "straggler_score", "age_s"]
+                                      "compute_time", "straggler_score", "age_s", "metrics"]
     assert data["ranks"][0]["age_s"] == 3.0
     assert data["ranks"][1]["step"] == -1 and data["ranks"][1]["age_s"] is None
 
@@ -92,3 +101,57 @@ def test_next_point_extrapolates_the_fastest_rank_and_leaves_the_margin():
 def test_next_point_without_progress_is_the_first_point():
     snap = JobSnapshot(job="s", revision=1)
     assert next_point(snap, every=5, margin_s=2.0, now=NOW) == 0
+
+
+def test_a_seat_without_a_step_in_it_is_starting_not_running():
+    """A spare that just took the seat (its worker restoring, or publishing -1) and a rank
+    whose last progress is from a previous holder of the seat have not trained in it yet."""
+    snap = snapshot(steps=(10, None, 10, 10))
+    snap.progress[2] = Progress(rank=2, step=-1, epoch=2, node="n2", time=NOW)
+    snap.progress[3] = Progress(rank=3, step=9, epoch=1, node="n3", time=NOW)  # before the seat (since 2)
+    assert states(snap) == ["running", "starting", "starting", "starting"]
+
+
+def test_a_worker_its_agent_reported_gone_is_not_running_though_its_node_lives():
+    snap = snapshot()
+    snap.reports.append(Report(node="n1", rank=1, epoch=2, kind="error", exit_code=1))
+    snap.reports.append(Report(node="n2", rank=2, epoch=2, kind="hang"))
+    snap.reports.append(Report(node="n3", rank=3, epoch=1, kind="exit"))  # about the seat's previous holder
+    assert states(snap) == ["running", "exited", "hung", "running"]
+
+
+@pytest.mark.parametrize("state, want", [(JobState.FAILED, "stopped"), (JobState.CANCELLED, "stopped"),
+                                         (JobState.SUCCEEDED, "done")])
+def test_no_rank_of_an_ended_job_is_running(state, want):
+    snap = snapshot(done=(0,) if state is not JobState.SUCCEEDED else ())
+    snap.state = state
+    assert states(snap)[1:] == [want] * 3 and states(snap)[0] == "done"
+
+
+def test_status_carries_step_total_and_every_logged_metric():
+    snap = snapshot(steps=(10, 12, -1, 11))
+    for r, loss in enumerate((1.0, 2.0, 9.0, 3.0)):
+        old = snap.progress[r]
+        snap.progress[r] = Progress(rank=r, step=old.step, epoch=2, node=old.node, time=NOW,
+                                    metrics={"loss": loss, "acc": 0.5} if r != 2 else {})
+    data = job_status(snap, NOW)
+    assert data["step"] == 11 and data["total_steps"] == 1000  # the slowest rank that stepped: 10 -> 11 done
+    assert data["metrics"] == {"loss": 2.0, "acc": 0.5}
+    assert data["ranks"][1]["metrics"] == {"loss": 2.0, "acc": 0.5}
+    assert format_metrics(data["metrics"]) == "loss 2 acc 0.5"
+    assert job_step([]) == 0
+
+
+def test_the_run_progress_line_never_goes_backwards_after_a_recovery():
+    """After a swap the new holder of a seat publishes step -1 until it restored, and the
+    world resumes from the last replicated step: `hotspare run` keeps showing the most it showed."""
+    from hotspare.orchestrator.commands.jobs import _progress_line
+
+    line, shown = _progress_line(snapshot(steps=(40, 41, 40, 42)), 1000)
+    assert shown == 41 and "steps 41/1000" in line
+    after = snapshot(steps=(38, 38, 38, 38))
+    after.progress[1] = Progress(rank=1, step=-1, epoch=2, node="n1", time=NOW)
+    line, shown = _progress_line(after, 1000, shown)
+    assert shown == 41 and "steps 41/1000" in line
+    line, shown = _progress_line(snapshot(steps=(50, 50, 50, 50)), 1000, shown)
+    assert shown == 51 and "steps 51/1000" in line
