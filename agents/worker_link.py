@@ -43,9 +43,11 @@ _BOOT = ("import sys, os\n"
          "runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
 
 
-def worker_command(python: str | None = None) -> list[str]:
-    """The command line that starts a warm worker."""
-    return [python or sys.executable, "-c", _BOOT.format(module=WORKER_MODULE)]
+def worker_command(python: str | None = None, module: str = WORKER_MODULE) -> list[str]:
+    """The command line that starts a warm worker (or ``module``, run the same way: the
+    entrypoint check, :mod:`hotspare.orchestrator.entry_check`, loads the job's code as a
+    worker would)."""
+    return [python or sys.executable, "-c", _BOOT.format(module=module)]
 
 
 #: Exit codes of a worker process.

@@ -5,7 +5,7 @@ Without this check a misspelled function or a syntax error is found by every war
 etcd, the controller and the agents are up. The check runs in a subprocess (importing the user's
 module runs arbitrary code and usually torch, which the CLI never imports) that is started the
 way an agent starts a worker: the same interpreter and boot code
-(:data:`hotspare.agents.worker_link._BOOT`, which drops the current directory from
+(:func:`hotspare.agents.worker_link.worker_command`, which drops the current directory from
 ``sys.path``), the environment plus the spec's ``env``, the same current directory, torch
 imported before the user's module, and the worker's own
 :func:`hotspare.agents.worker.load_entrypoint`. The subprocess writes one JSON line, on a copy of
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hotspare.agents.worker_link import _BOOT
+from hotspare.agents.worker_link import worker_command
 
 __all__ = ["CODE_KINDS", "EntryError", "EntryProblem", "check_entrypoint", "require"]
 
@@ -70,7 +70,7 @@ def check_entrypoint(entrypoint: str, args: Mapping[str, Any], env: Mapping[str,
     entrypoint is imported from there)."""
     full = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1",
             _INPUT_ENV: json.dumps({"entrypoint": entrypoint, "args": dict(args)})}
-    cmd = [python or sys.executable, "-c", _BOOT.format(module=__name__)]
+    cmd = worker_command(python, module=__name__)
     try:
         r = subprocess.run(cmd, env=full, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                            stdin=subprocess.DEVNULL)
