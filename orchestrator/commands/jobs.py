@@ -272,8 +272,10 @@ def _summary(js: JobStore, spec: JobSpec, state: str, out: TextIO, embedded_up: 
     """What `hotspare run` says once the job ended: steps, recoveries, final losses."""
     recs = timeline.recoveries(js.events())
     snap = js.snapshot()
-    steps_done = spec.steps if state == "succeeded" else (
-        max((p.step + 1 for p in snap.progress.values()), default=0))
+    # progress is published every few seconds: a job that failed sooner has none, but its
+    # failure history says which step a rank was computing (every step before it was done)
+    steps_done = spec.steps if state == "succeeded" else max(
+        [p.step + 1 for p in snap.progress.values()] + [f.step for f in snap.failures], default=0)
     print(f"\njob {spec.name} {state}: {steps_done}/{spec.steps} steps, epoch {snap.epoch}"
           + (f" ({snap.state_message})" if snap.state_message and state != "succeeded" else ""), file=out)
     if snap.state_error:  # the failing rank's traceback, its last line last

@@ -69,6 +69,7 @@ def test_a_code_error_fails_the_job_at_once_with_its_traceback_and_no_spare(clus
     assert "rank 1 on node1 raised at step 5: ValueError: boom at step 5 (on_code_error: fail)" in summary["message"]
     assert "ValueError: boom at step 5" in r.stderr, "run's own output (stderr with --json) shows it"
     assert summary["recoveries"] == []
+    assert summary["steps_done"] == 5, "steps 0-4 were done (the failure history says so, if progress does not)"
     evs = events_of(cluster, "bug")
     assert not [e for e in evs if e.kind == "swap"], "no spare was swapped in"
     assert not [e for e in evs if e.kind == "assigned" and e.data.get("node") == "spare0"], "the spare never ran"
