@@ -60,6 +60,7 @@ from .worker_link import (
     Assignment,
     WorkerEnv,
 )
+from .zygote import Zygote, zygote_for_agent
 
 __all__ = ["POLL", "Agent", "WorkerProc", "ring_buddies", "sweep_stale_run_dirs"]
 
@@ -91,6 +92,7 @@ class Agent:
         env_for_workers: dict[str, str] | None = None,
         run_id: str | None = None,
         etcd_outage_limit: float | None = None,
+        zygote: str | None = None,
     ) -> None:
         self.store = store
         self.js = JobStore(store, job)
@@ -114,6 +116,10 @@ class Agent:
         self._want_run = run_id
         self._outage_limit = etcd_outage_limit  # None: default_etcd_outage_limit(lease_ttl)
         self._etcd_seen = time.monotonic()  # when etcd last answered the loop
+        #: where warm workers come from (:mod:`hotspare.agents.zygote`): None, a zygote of our
+        #: own; a socket path, a shared one; "off", none (every worker imports torch itself)
+        self._zygote_at = zygote
+        self.zygote: Zygote | None = None
         # known once the job's spec is read (run -> _start)
         self.spec: JobSpec
         self.slots: int
@@ -132,8 +138,8 @@ class Agent:
         self._register()
         self._etcd_seen = time.monotonic()
         cancel_watch = self.store.watch_prefix(self.js.keys.prefix, self._wake.set)
-        for slot in range(self.slots):
-            self._spawn(slot)
+        for slot in range(self.slots):  # an active node's first workers take their seats at once
+            self._spawn(slot, prewarm=self.role == "spare")
         try:
             return self._loop()
         finally:
@@ -163,6 +169,10 @@ class Agent:
         self.services = NodeServices(spec, job=self.job, node=self.node, secret=self.js.secret(),
                                      host=self.host, event=self._event).start()
         self.chaos = NodeChaos(self.js, self.node, self.services, spec.lease_ttl)
+        self.zygote = zygote_for_agent(self._zygote_at, self._worker_base_env(),
+                                       self.log_dir / f"zygote-{self.node}.log")
+        if self.zygote is not None:
+            self.zygote.on_exit = self._wake.set  # a worker's exit wakes the loop at once
 
     def _wait_for_spec(self) -> JobSpec | None:
         """The job's spec once it is in etcd; with a run id given, the spec of that run (an
@@ -415,12 +425,17 @@ class Agent:
         return True
 
     # -- workers --------------------------------------------------------------------------
-    def _spawn(self, slot: int) -> None:
+    def _worker_base_env(self) -> dict[str, str]:
+        """Every worker's environment but its own ``HOTSPARE_*`` contract."""
         env = dict(os.environ)
         env.update({k: str(v) for k, v in self.spec.env.items()})
         env.update(self.worker_env)
         if self.spec.backend == "local":
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        return env
+
+    def _spawn(self, slot: int, prewarm: bool = True) -> None:
+        env = self._worker_base_env()
         link = WorkerEnv(
             job=self.job,
             node=self.node,
@@ -430,11 +445,19 @@ class Agent:
             snap_dir=str(self.run_dir),
             agent_pid=os.getpid(),
             threads=int(env.get("HOTSPARE_THREADS", "1")),  # the job's env may set it
+            prewarm=prewarm,
         )
-        self.workers[slot] = spawn_worker(slot, link, env)
+        self.workers[slot] = spawn_worker(slot, link, env, self.zygote)
+        if self.zygote is not None and self.zygote.lost:
+            log.warning("zygote %s lost (%s): workers start as their own processes from now on",
+                        self.zygote.path, self.zygote.lost)
+            self.zygote.close()
+            self.zygote = None
 
     def _shutdown(self) -> None:
         self._stop_workers()
+        if self.zygote is not None:
+            self.zygote.close()
         self.services.stop()
         if self._lease is not None:
             try:

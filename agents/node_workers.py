@@ -8,6 +8,8 @@ sentence without touching anything, so every branch has a unit test.
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import subprocess
 import time
@@ -25,6 +27,7 @@ from .worker_link import (
     EXIT_STARTUP_ERROR,
     EXIT_UNRECOVERABLE,
     RUNNING,
+    WORKER_MODULE,
     Assignment,
     Heartbeat,
     Raised,
@@ -32,6 +35,9 @@ from .worker_link import (
     fatal_path,
     worker_command,
 )
+from .zygote import ForkedProc, Zygote, ZygoteRefused
+
+log = logging.getLogger("hotspare.agent")
 
 
 class WorkerState(str, Enum):
@@ -48,7 +54,7 @@ class WorkerProc:
     """One worker process of the agent and the seat it holds (if any)."""
 
     slot: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProc
     hb: Heartbeat
     state: WorkerState = WorkerState.WARM
     rank: int = -1  # meaningful once ASSIGNED; a shrink may change it
@@ -199,8 +205,11 @@ def heartbeat_path(run_dir: Path, slot: int) -> Path:
     return run_dir / f"slot{slot}-{time.time_ns()}.hb"
 
 
-def spawn_worker(slot: int, link: WorkerEnv, env: Mapping[str, str]) -> WorkerProc:
-    """Start a warm worker (:func:`~hotspare.agents.worker_link.worker_command`) with its heartbeat file and log.
+def spawn_worker(slot: int, link: WorkerEnv, env: Mapping[str, str], zygote: Zygote | None = None) -> WorkerProc:
+    """Start a warm worker with its heartbeat file and log: forked by ``zygote`` when there
+    is one and it agrees (:mod:`hotspare.agents.zygote`), else started
+    (:func:`~hotspare.agents.worker_link.worker_command`). A zygote that cannot fork for a
+    reason of its own is left in :attr:`Zygote.lost` for the agent to drop.
 
     ``env`` is the environment around the contract (the agent's own, the job's ``env``);
     ``link`` is the contract itself, and wins over ``env``."""
@@ -208,13 +217,26 @@ def spawn_worker(slot: int, link: WorkerEnv, env: Mapping[str, str]) -> WorkerPr
     full = {**env, **link.to_env(), "PYTHONUNBUFFERED": "1"}
     logf = open(Path(link.log_dir) / f"worker-{link.node}-slot{slot}.log", "ab")
     try:
-        proc = subprocess.Popen(
-            worker_command(),
-            stdin=subprocess.PIPE,
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            env=full,
-        )
+        proc: subprocess.Popen | ForkedProc | None = _fork(zygote, full, logf.fileno()) if zygote else None
+        if proc is None:
+            proc = subprocess.Popen(
+                worker_command(),
+                stdin=subprocess.PIPE,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=full,
+            )
     finally:
         logf.close()
     return WorkerProc(slot=slot, proc=proc, hb=hb)
+
+
+def _fork(zygote: Zygote, env: dict[str, str], log_fd: int) -> ForkedProc | None:
+    try:
+        return zygote.spawn(f"{WORKER_MODULE}:main", env, os.getcwd(), log_fd)
+    except ZygoteRefused as e:
+        log.warning("starting a worker the plain way: the zygote refused it (%s)", e)
+    except OSError as e:
+        zygote.lost = zygote.lost or str(e)
+        log.warning("starting workers the plain way from now on: %s", e)
+    return None

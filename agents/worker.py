@@ -19,12 +19,10 @@ For 1, 5 and 6 the traceback's end is left in :func:`~hotspare.agents.worker_lin
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import importlib.util
 import logging
 import os
-import signal
 import sys
 import sysconfig
 import traceback
@@ -53,21 +51,13 @@ from .worker_link import (
     WorkerEnv,
     fatal_path,
 )
+from .zygote import die_with_agent
 
 if TYPE_CHECKING:
     from hotspare.orchestrator.spec import JobSpec
     from hotspare.recovery.session import Session
 
 __all__ = ["EXIT_FENCED", "EXIT_UNRECOVERABLE", "fatal_path", "load_entrypoint", "main", "prewarm_torch"]
-
-
-def die_with_parent() -> None:
-    """Linux: SIGKILL this worker if its agent dies (a lost node loses its workers)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def load_entrypoint(entrypoint: str) -> Callable:
@@ -141,7 +131,8 @@ def warm_up(env: WorkerEnv, hb: Heartbeat) -> tuple[Store, JobSpec, Callable] | 
         print(f"job {env.job} has no spec in etcd", file=sys.stderr)
         return None
     fn = _job_code(hb, f"loading {spec.entrypoint}", lambda: load_entrypoint(spec.entrypoint))
-    prewarm_torch()
+    if env.prewarm:
+        prewarm_torch()
     warm = getattr(sys.modules.get(fn.__module__), "warmup", None)
     if callable(warm):  # the job's own warm-up (load data, build caches) before any rank
         _job_code(hb, "its warmup()", lambda: warm(**spec.args))
@@ -257,8 +248,10 @@ def run(fn: Callable, session: Session, spec: JobSpec, hb: Heartbeat) -> int:
 
 
 def main() -> int:
-    die_with_parent()
+    """A warm worker's whole life, started by its agent or forked by a zygote
+    (:mod:`hotspare.agents.zygote`); the exit code the agent reads."""
     env = WorkerEnv.from_env(os.environ)
+    die_with_agent(env.agent_pid)  # a lost node loses its workers
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s [{env.job} {env.node} pid{os.getpid()}] %(name)s: %(message)s",

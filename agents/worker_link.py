@@ -125,13 +125,19 @@ class WorkerEnv:
     snap_dir: str  # the agent's shared-memory run directory (snapshot slots)
     agent_pid: int = 0
     threads: int = 1  # torch intra-op threads
+    #: pay torch's lazy imports while warm (:func:`hotspare.agents.worker.prewarm_torch`).
+    #: Off for a worker that takes a seat at once (the first ones on an active node): it
+    #: would pay the same cost only earlier, and for nothing if the job builds no optimizer.
+    prewarm: bool = True
 
     _NAMES = {"job": "HOTSPARE_JOB", "node": "HOTSPARE_NODE", "incarnation": "HOTSPARE_INCARNATION",
               "hb": "HOTSPARE_HB", "log_dir": "HOTSPARE_LOG_DIR", "snap_dir": "HOTSPARE_SNAP_DIR",
-              "agent_pid": "HOTSPARE_AGENT_PID", "threads": "HOTSPARE_THREADS"}
+              "agent_pid": "HOTSPARE_AGENT_PID", "threads": "HOTSPARE_THREADS",
+              "prewarm": "HOTSPARE_PREWARM"}
 
     def to_env(self) -> dict[str, str]:
-        return {self._NAMES[f.name]: str(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {self._NAMES[f.name]: str(int(v) if isinstance(v := getattr(self, f.name), bool) else v)
+                for f in dataclasses.fields(self)}
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> WorkerEnv:
@@ -144,6 +150,7 @@ class WorkerEnv:
             log_dir=env["HOTSPARE_LOG_DIR"], snap_dir=env.get("HOTSPARE_SNAP_DIR", ""),
             agent_pid=int(env.get("HOTSPARE_AGENT_PID", "0")),
             threads=int(env.get("HOTSPARE_THREADS", "1")),
+            prewarm=env.get("HOTSPARE_PREWARM", "1") != "0",
         )
 
 

@@ -20,6 +20,28 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def zygote(tmp_path_factory):
+    """One zygote for the whole session (hotspare.agents.zygote): every agent a test starts
+    runs in its session and forks its workers from it, so torch is imported once for the suite
+    instead of once per worker. Exported as $HOTSPARE_ZYGOTE to every hotspare process (the
+    local launcher starts its agents through it). Tests of the zygote itself start their own."""
+    from hotspare.agents.zygote import pidfd_supported, spawn_server
+
+    if os.environ.get("HOTSPARE_ZYGOTE") or not pidfd_supported():
+        yield os.environ.get("HOTSPARE_ZYGOTE")
+        return
+    log = tmp_path_factory.mktemp("zygote") / "zygote.log"
+    proc, path = spawn_server(dict(os.environ), log, owner=os.getpid(), linger=True, new_session=True)
+    os.environ["HOTSPARE_ZYGOTE"] = path
+    try:
+        yield path
+    finally:
+        del os.environ["HOTSPARE_ZYGOTE"]
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture
 def etcd(tmp_path):
     srv = start_etcd(tmp_path / "etcd", log_path=tmp_path / "etcd.log")
@@ -63,7 +85,8 @@ class Cluster:
         self.endpoint = etcd.endpoint
         self.tmp = tmp_path
         self.store = Store([self.endpoint], **store_options)  # TLS/auth: Store's keyword arguments
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list = []  # subprocess.Popen, or ForkedProc for agents the zygote started
+        self._zygote = None
         self.env = dict(os.environ, HOTSPARE_ETCD=self.endpoint, HOTSPARE_STATE_DIR=str(tmp_path / "state"),
                         PYTHONUNBUFFERED="1")
         #: `run`/`submit` check the entrypoint in a subprocess that imports it (and so torch:
@@ -80,10 +103,20 @@ class Cluster:
             raise AssertionError(f"hotspare {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}")
         return r
 
-    def spawn(self, *args: str, log: str) -> subprocess.Popen:
-        f = open(self.tmp / log, "ab")
-        p = subprocess.Popen([sys.executable, "-m", "hotspare.orchestrator.cli", *args], env=self.env, stdout=f,
-                             stderr=subprocess.STDOUT, start_new_session=True, cwd=self.tmp)
+    def spawn(self, *args: str, log: str):
+        """A hotspare process of its own (a process group leader), logging to ``log``. An agent
+        starts through the session's zygote (so its workers are forked, not started)."""
+        cmd = [sys.executable, "-m", "hotspare.orchestrator.cli", *args]
+        with open(self.tmp / log, "ab") as f:
+            zygote = self.env.get("HOTSPARE_ZYGOTE")
+            if args[0] == "agent" and zygote and zygote != "off":
+                from hotspare.agents.zygote import Zygote
+
+                self._zygote = self._zygote or Zygote.connect(zygote)
+                p = self._zygote.run(cmd, self.env, str(self.tmp), f.fileno())
+            else:
+                p = subprocess.Popen(cmd, env=self.env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                     cwd=self.tmp)
         self.procs.append(p)
         return p
 
@@ -122,6 +155,8 @@ class Cluster:
                     os.killpg(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     stop_pid(pid, 1)
+        if self._zygote is not None:
+            self._zygote.close()
         self.store.close()
 
 

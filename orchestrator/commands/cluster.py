@@ -12,12 +12,13 @@ import secrets
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 from .. import embedded
 from ..etcd_server import EtcdServer, free_port
 from ..spec import JobSpec, SpecError
-from ..store import Conflict, EventKind, JobStore, Store
+from ..store import Conflict, EventKind, JobStore, Store, StoreUnavailable
 from ..util import atomic_write
 from .common import CliError, Command, connect, endpoints, export_for_children, state_dir
 
@@ -51,11 +52,30 @@ def cmd_agent(args: argparse.Namespace) -> int:
     # the workers the agent starts connect as it does (Store.from_env)
     export_for_children(args, HOTSPARE_ETCD=",".join(eps))
     node = args.node or _default_node()
-    agent = Agent(connect(args, eps), args.job, node, role="spare" if args.spare else "active",
+    agent = Agent(connect_patiently(args, eps, args.wait), args.job, node, role="spare" if args.spare else "active",
                   slots=args.slots, wait_for_job=args.wait, host=args.host, run_id=args.run_id,
-                  etcd_outage_limit=args.etcd_outage_limit)
+                  etcd_outage_limit=args.etcd_outage_limit, zygote=args.zygote)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     return agent.run()
+
+
+def connect_patiently(args: argparse.Namespace, eps: list[str], patience: float) -> Store:
+    """:func:`connect`, retried while etcd is unreachable for up to ``patience`` seconds: a
+    node agent may start before its etcd does (pods in any order) or while it is too busy to
+    answer one ping. A wrong password or certificate fails at once."""
+    deadline = time.monotonic() + patience
+    said = 0.0
+    while True:
+        try:
+            return connect(args, eps)
+        except CliError as e:
+            left = deadline - time.monotonic()
+            if not isinstance(e.__cause__, StoreUnavailable) or left <= 0:
+                raise
+            if time.monotonic() - said >= 10:
+                print(f"hotspare agent: {e}; retrying for up to {left:.0f}s more", file=sys.stderr, flush=True)
+                said = time.monotonic()
+            time.sleep(min(1.0, left))
 
 
 def _job_secret() -> bytes | None:
@@ -166,6 +186,11 @@ def _agent_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--etcd-outage-limit", type=float, metavar="SECONDS",
                     help="leave (stopping the workers) once etcd has been unreachable this long "
                     "(default: max(60, 10 x the spec's lease_ttl))")
+    sp.add_argument("--zygote", metavar="PATH|off", default=os.environ.get("HOTSPARE_ZYGOTE") or None,
+                    help="fork warm workers from the zygote listening at PATH (one shared by this "
+                    "machine's agents: the local backend starts one); 'off': start every worker as "
+                    "its own process. Default: $HOTSPARE_ZYGOTE, else a zygote of the agent's own, "
+                    "which imports torch once instead of once per worker")
 
 
 def _controller_arguments(sp: argparse.ArgumentParser) -> None:

@@ -1,8 +1,10 @@
 """Local backend: one agent process per simulated node on this machine.
 
-Each agent is its own process session (like a separate machine: killing a "node" kills
-that agent and its workers, nothing else). Nodes ``node0..`` are active, ``spare0..``
-are spares. Every launch is recorded under the state dir (``local/<job>-<run>.json``: the
+Each agent is its own process group (like a separate machine: killing a "node" kills
+that agent and its workers, nothing else). The agents are started through one zygote for
+the machine (:mod:`hotspare.agents.zygote`: torch is imported once, and each agent's workers
+are forked into its group), or, without one, each in a session of its own. Nodes
+``node0..`` are active, ``spare0..`` are spares. Every launch is recorded under the state dir (``local/<job>-<run>.json``: the
 agents' pids, each the id of a process group that holds its workers), so that ``hotspare
 down`` can stop every process of the embedded cluster (:func:`stop_agents`).
 """
@@ -18,17 +20,21 @@ import sys
 import time
 from pathlib import Path
 
+from hotspare.agents.zygote import Zygote, pidfd_supported, spawn_server
+
 from ..embedded import default_state_dir
 from ..spec import JobSpec
 from ..util import atomic_write, pid_alive
 
 
 def agent_command(job: str, node: str, endpoints: list[str], *, spare: bool = False,
-                  slots: int | None = None, run_id: str = "") -> list[str]:
+                  slots: int | None = None, run_id: str = "", zygote: str = "") -> list[str]:
     cmd = [sys.executable, "-m", "hotspare.orchestrator.cli", "agent", "--job", job, "--node", node,
            "--etcd", ",".join(endpoints)]
     if run_id:
         cmd += ["--run-id", run_id]
+    if zygote:
+        cmd += ["--zygote", zygote]
     if spare:
         cmd.append("--spare")
     if slots:
@@ -38,15 +44,51 @@ def agent_command(job: str, node: str, endpoints: list[str], *, spare: bool = Fa
 
 def start_agent(
     job: str, node: str, endpoints: list[str], log_dir: Path, *, spare: bool = False,
-    slots: int | None = None, extra_env: dict[str, str] | None = None, run_id: str = "",
+    slots: int | None = None, extra_env: dict[str, str] | None = None, run_id: str = "", zygote: str = "",
 ) -> subprocess.Popen:
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.update(extra_env or {})
     with open(log_dir / f"agent-{node}.log", "ab") as log:
-        return subprocess.Popen(agent_command(job, node, endpoints, spare=spare, slots=slots, run_id=run_id),
+        return subprocess.Popen(agent_command(job, node, endpoints, spare=spare, slots=slots, run_id=run_id,
+                                              zygote=zygote),
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
+
+
+def start_agents_in_zygote(spec: JobSpec, endpoints: list[str], log_dir: Path) -> dict[str, int] | None:
+    """Start the job's agents through one zygote for this machine (:mod:`hotspare.agents.zygote`):
+    torch is imported once, not once per simulated node, and each agent's workers are forked
+    into its process group. The zygote is $HOTSPARE_ZYGOTE's, or a new one in a session of its
+    own that leaves after the last of its agents. {node: pid}, or None when no zygote can be
+    had (``HOTSPARE_ZYGOTE=off``, no pidfd support, it failed): start them the plain way."""
+    path = os.environ.get("HOTSPARE_ZYGOTE", "")
+    if path == "off" or not pidfd_supported():
+        return None
+    started = None
+    try:
+        if not path:
+            env = dict(os.environ)
+            env.update({k: str(v) for k, v in spec.env.items()})
+            started, path = spawn_server(env, log_dir / "zygote.log", new_session=True)
+        z = Zygote.connect(path, timeout=60, starting=started)
+    except OSError as e:
+        print(f"hotspare: no zygote ({e}); every worker imports torch itself", file=sys.stderr)
+        return None
+    agents: dict[str, int] = {}
+    try:
+        for node, spare in _nodes(spec):
+            with open(log_dir / f"agent-{node}.log", "ab") as log:
+                cmd = agent_command(spec.name, node, endpoints, spare=spare, run_id=spec.run_id, zygote=path)
+                agents[node] = z.run(cmd, dict(os.environ), os.getcwd(), log.fileno()).pid
+        return agents
+    except OSError as e:
+        print(f"hotspare: the zygote failed ({e}); starting the agents without it", file=sys.stderr)
+        for pid in agents.values():
+            _signal_group(pid, signal.SIGKILL)
+        return None
+    finally:
+        z.close()
 
 
 def _nodes(spec: JobSpec) -> list[tuple[str, bool]]:
@@ -63,8 +105,9 @@ class LocalLauncher:
 
     def launch(self, spec: JobSpec, endpoints: list[str]) -> dict:
         log_dir = spec.log_dir
-        agents = {n: start_agent(spec.name, n, endpoints, log_dir, spare=s, run_id=spec.run_id).pid
-                  for n, s in _nodes(spec)}
+        log_dir.mkdir(parents=True, exist_ok=True)
+        agents = start_agents_in_zygote(spec, endpoints, log_dir) or {
+            n: start_agent(spec.name, n, endpoints, log_dir, spare=s, run_id=spec.run_id).pid for n, s in _nodes(spec)}
         (Path(spec.output_dir) / "agents.json").write_text(json.dumps(agents, indent=1))
         _record(default_state_dir(), {"job": spec.name, "run_id": spec.run_id, "endpoints": endpoints,
                                       "agents": agents, "time": time.time()})

@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from hotspare.orchestrator.etcd_server import pid_alive
-from hotspare.orchestrator.launchers.local import start_agent
 from hotspare.recovery import load_final
 
 from ..e2e.test_exact_recovery import assert_identical, gpt_spec
@@ -69,11 +68,8 @@ class Reviver(threading.Thread):
             if not pids and f.exists():
                 pids = json.loads(f.read_text())
             for node, pid in list(pids.items()):
-                if not pid_alive(pid) and not self.stop.is_set():
-                    time.sleep(1.0)
-                    p = start_agent(self.job, node, [self.cluster.endpoint], self.out / "logs", spare=True)
-                    pids[node] = p.pid
-                    self.cluster.procs.append(p)
+                if not pid_alive(pid) and not self.stop.wait(1.0):  # a short "reboot"
+                    pids[node] = self.cluster.agent(self.job, node, spare=True).pid
                     self.revived.append(node)
 
 
@@ -92,6 +88,7 @@ def test_seeded_random_failures_leave_no_trace_in_the_result(cluster, reference)
         summary, r = cluster.run_json(str(spec), timeout=500)
     finally:
         reviver.stop.set()
+        reviver.join(30)  # before the cluster's teardown: it starts agents through the cluster
     assert summary["state"] == "succeeded", r.stdout + r.stderr[-3000:]
 
     events = cluster.job("chaos").events()

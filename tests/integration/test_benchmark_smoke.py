@@ -94,6 +94,15 @@ def test_overhead_smoke(tmp_path):
 
 
 @pytest.mark.timeout(TIMEOUT + 60)
+def test_worker_start_smoke(tmp_path):
+    data = assert_ok(*smoke("worker_start", tmp_path))
+    for way in ("started", "forked"):
+        [w] = data["results"][way]
+        assert w["warm_s"] > 0 and w["cpu_s"] > 0, (way, w)  # a real worker, measured from /proc
+    assert data["zygote_cpu_s"] > 0
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
 def test_smoke_run_fails_when_a_run_inside_it_fails(tmp_path):
     """torchrun with a failure and no restarts cannot finish: the benchmark must say so and exit 1
     (with the default --max-restarts the same command passes: test_lost_time_smoke)."""

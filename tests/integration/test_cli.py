@@ -103,3 +103,35 @@ def test_scheduler_commands_without_the_scheduler_tools_are_one_clear_error(clus
         assert r.stderr.startswith(f"hotspare {args[0]}: error: "), (args, r.stderr)
     assert "scancel" in subprocess.run([sys.executable, "-m", "hotspare.orchestrator.cli", "cancel", "elsewhere"], env=env,
                                        cwd=tmp_path, capture_output=True, text=True, timeout=60).stderr
+
+
+def test_an_agent_whose_etcd_does_not_answer_yet_waits_for_it_then_says_why_it_gave_up(etcd, tmp_path):
+    """An agent may start before its etcd does (pods start in any order) or while it is too busy
+    for one ping: it retries for --wait seconds, saying so, instead of dying on the first try."""
+    from ..conftest import wait_until
+
+    cmd = [sys.executable, "-m", "hotspare.orchestrator.cli", "agent", "--job", "nojob", "--node", "n0",
+           "--etcd", etcd.endpoint, "--zygote", "off", "--wait", "10"]
+    etcd.suspend()  # SIGSTOP: it accepts connections and never answers
+    err = tmp_path / "agent.err"
+    with open(err, "wb") as f:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f)
+    try:
+        wait_until(lambda: "retrying for up to" in err.read_text(), "the agent to say it retries", timeout=60)
+        assert p.poll() is None
+    finally:
+        etcd.resume()
+    # etcd answers now: the agent connects and waits for its job (which never comes) -- the
+    # error it ends with is that one, not the connection
+    assert p.wait(120) == 2
+    text = err.read_text()
+    assert "job nojob not found in etcd after" in text, text
+    assert "cannot use etcd" in text  # what it retried on, named
+
+    # no etcd at all: the same patience, then one clear error naming the endpoint
+    from hotspare.orchestrator.etcd_server import free_port
+
+    nothing = f"http://127.0.0.1:{free_port()}"
+    dead = subprocess.run([*cmd[:-6], "--etcd", nothing, "--zygote", "off", "--wait", "2"], capture_output=True,
+                          text=True, timeout=120)
+    assert dead.returncode == 2 and f"cannot use etcd at {nothing}" in dead.stderr.splitlines()[-1], dead.stderr

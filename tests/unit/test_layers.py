@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("store", ("orchestrator.store", "orchestrator.store.errors", "orchestrator.store.client",
                "orchestrator.store.records", "orchestrator.store.job", "orchestrator.store.events")),
     ("contracts", ("recovery.slotfile", "recovery.wire", "recovery.replica_client",
-                   "recovery.persist", "recovery.checkpoint*", "agents.worker_link",
+                   "recovery.persist", "recovery.checkpoint*", "agents.worker_link", "agents.zygote", "agents.zygote_server",
                    "agents.heartbeat", "orchestrator.timeline", "orchestrator.status")),
     ("control", ("orchestrator.decide", "orchestrator.failure_guards", "orchestrator.controller")),
     ("node", ("agents", "agents.agent", "agents.replica", "agents.persist", "agents.node*")),

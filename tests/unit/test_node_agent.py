@@ -27,6 +27,7 @@ from hotspare.agents.worker_link import (
     Assignment,
     Heartbeat,
     Raised,
+    WorkerEnv,
     error_path,
 )
 from hotspare.orchestrator import chaos
@@ -333,3 +334,15 @@ def test_node_view_is_frozen():
     with pytest.raises(AttributeError):
         NodeView().epoch = 3  # type: ignore[misc]
 
+
+
+# -- the worker's environment ----------------------------------------------------------------
+def test_worker_env_round_trips_through_the_environment_prewarm_included():
+    link = WorkerEnv(job="j", node="n0", incarnation="i1", hb="/x/slot0.hb", log_dir="/x", snap_dir="/s",
+                     agent_pid=7, threads=2, prewarm=False)
+    env = link.to_env()
+    assert env["HOTSPARE_PREWARM"] == "0" and env["HOTSPARE_THREADS"] == "2"
+    assert WorkerEnv.from_env(env) == link
+    assert WorkerEnv.from_env({**env, "HOTSPARE_PREWARM": "1"}).prewarm is True
+    del env["HOTSPARE_PREWARM"]
+    assert WorkerEnv.from_env(env).prewarm is True  # default: a worker that may wait prewarms
