@@ -174,3 +174,24 @@ def test_a_lingering_zygote_leaves_with_its_owner(tmp_path):
     finally:
         owner.kill()
         proc.kill()
+
+
+def test_a_local_run_without_a_given_zygote_starts_one_for_its_agents(tmp_path):
+    """`hotspare run` on the local backend with no $HOTSPARE_ZYGOTE (what a user gets): one
+    zygote for the job's agents, which fork their workers from it instead of starting their own."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HOTSPARE_ZYGOTE", "HOTSPARE_ETCD")}
+    env["HOTSPARE_STATE_DIR"] = str(tmp_path / "state")
+    spec = write_spec(tmp_path, name="ownz", ranks=2, spares=1, steps=30,
+                      chaos=[{"at_step": 15, "action": "kill-rank", "rank": 1}])
+    cli = [sys.executable, "-m", "hotspare.orchestrator.cli"]
+    try:
+        r = subprocess.run([*cli, "run", "--no-check", str(spec)], env=env, cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0 and "succeeded" in r.stdout, r.stdout + r.stderr
+    finally:
+        subprocess.run([*cli, "down"], env=env, cwd=tmp_path, capture_output=True, timeout=120)
+    logs = tmp_path / "out" / "ownz" / "logs"
+    assert "ready on" in (logs / "zygote.log").read_text()
+    assert not list(logs.glob("zygote-*.log"))  # no agent needed a zygote of its own
+    agents = "".join(f.read_text() for f in logs.glob("agent-*.log"))
+    assert "not using the zygote" not in agents and "starts as its own process" not in agents, agents
