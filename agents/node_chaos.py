@@ -76,7 +76,8 @@ class NodeChaos:
     # -- the actions --------------------------------------------------------------------------
     def _kill_node(self, target: WorkerProc | None, seconds: float | None,
                    workers: Collection[WorkerProc], lease: Lease | None) -> None:
-        # the node dies at once: no report, no goodbye; workers follow via PDEATHSIG
+        # the node dies at once: no report, no goodbye; workers are killed first (as they would
+        # die with us anyway: zygote.die_with_agent)
         for w in workers:
             w.proc.kill()
         os.kill(os.getpid(), signal.SIGKILL)

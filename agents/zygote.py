@@ -51,12 +51,13 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+
+from .worker_link import worker_command
 
 log = logging.getLogger("hotspare.zygote")
 
@@ -71,11 +72,6 @@ IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "TORCH", "PYTORCH", "OMP_", "MKL_", "KM
 IMPORT_TIME_EXEMPT = frozenset({"PYTHONUNBUFFERED"})  # a forked worker's stdio is unbuffered anyway
 
 _MAX_MESSAGE = 1 << 20  # bytes of one request (its environment, mostly)
-_BOOT = ("import sys, os\n"
-         "if sys.path and sys.path[0] in ('', os.getcwd()):\n"
-         "    del sys.path[0]\n"
-         "from hotspare.agents.zygote_server import main\n"
-         "sys.exit(main(sys.argv[1:]))\n")
 #: A worker forked from a zygote whose set-up after the fork failed (never the job's code).
 EXIT_FORK_SETUP = 7
 #: The exit code an agent reads for a forked worker that ended after its zygote was gone:
@@ -198,14 +194,14 @@ class ForkedProc:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self._owner.lost and self.returncode is None:  # no exit message will come: watch it ourselves
-            if not self._gone(timeout):
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            self._exited(EXIT_STATUS_UNKNOWN)
         with self._owner._cond:
             if not self._owner._cond.wait_for(lambda: self.returncode is not None or self._owner.lost, timeout):
                 raise subprocess.TimeoutExpired(self.args, timeout)
-        return self.wait(timeout) if self.returncode is None else self.returncode
+        if self.returncode is None:  # the zygote is gone: no exit message will come, watch it ourselves
+            if not self._gone(timeout):
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._exited(EXIT_STATUS_UNKNOWN)
+        return self.returncode
 
     def _gone(self, timeout: float | None) -> bool:
         return self._pidfd is None or bool(select.select([self._pidfd], [], [], timeout)[0])
@@ -398,7 +394,7 @@ def spawn_server(env: Mapping[str, str], log_path: Path, *, owner: int | None = 
     when that process does; without ``linger``, after the last agent that connected left
     (or when none connected within two minutes)."""
     path = os.path.join(tempfile.mkdtemp(prefix="hotspare-z"), "sock")
-    cmd = [sys.executable, "-c", _BOOT, "--socket", path]
+    cmd = [*worker_command(module="hotspare.agents.zygote_server"), "--socket", path]  # started as a worker is
     if owner:
         cmd += ["--owner", str(owner)]
     if linger:

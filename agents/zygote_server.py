@@ -1,7 +1,7 @@
 """The zygote process itself (:mod:`hotspare.agents.zygote` has the design, the protocol
 helpers and the agents' side): it preloads, then runs agents and forks warm workers for the
 agents connected to it, and reaps them all. Started by :func:`~hotspare.agents.zygote.spawn_server`
-as ``python -c <boot> --socket PATH [--owner PID] [--linger]``."""
+as ``<worker_link.worker_command(module=...)> --socket PATH [--owner PID] [--linger]``."""
 
 from __future__ import annotations
 
@@ -239,7 +239,7 @@ def _become_worker(msg: dict, fds: list[int], pgid: int, close: list[int]) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -c <boot> --socket PATH [--owner PID] [--linger] [--idle S]``: serve until the
+    """``<worker_command> --socket PATH [--owner PID] [--linger] [--idle S]``: serve until the
     owner dies, or (without ``--linger``) until the last agent that connected has left."""
     import argparse
 
@@ -257,3 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         return server.serve()
     finally:
         server.close()
+
+
+if __name__ == "__main__":  # started through worker_link.worker_command(module=...), as a worker is
+    sys.exit(main(sys.argv[1:]))
