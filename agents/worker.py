@@ -160,10 +160,11 @@ def not_the_code(e: BaseException, session: Session) -> str:
     """Why ``e``, raised by the training function, is not a code error ("" if it is one).
 
     A code error fails the job by default, so a crash must not pass for one. hotspare's own
-    collectives never raise (a failure is recorded and the step rolled back), but one the
-    user calls directly (DDP on ``session.process_group.backend``) does when a peer dies --
-    gloo raises a plain RuntimeError ("Connection closed by peer") -- and a step computed on
-    a broken group may trip over its garbage. So: a c10d, rendezvous or etcd error anywhere
+    collectives -- every collective on ``session.process_group``, DDP's and FSDP2's included --
+    never raise (a failure is recorded and the step rolled back), but one on another group
+    (the raw ``session.process_group.backend``, a ``dist.new_group()``) does when a peer dies
+    -- gloo raises a plain RuntimeError ("Connection closed by peer") -- and a step computed
+    on a broken group may trip over its garbage. So: a c10d, rendezvous or etcd error anywhere
     in the exception's chain, a gloo/NCCL failure, an OSError raised inside hotspare (etcd,
     snapshot files), a group that recorded a failure, or an epoch that moved on."""
     import torch.distributed as dist

@@ -33,7 +33,8 @@ from .chaos_hook import ChaosHook
 from .control import ControlLink
 from .data import ElasticDataLoader, session_loader, watch_untracked_loaders
 from .final import write_manifest, write_rank
-from .process_group import GroupBroken, ReconfigurableProcessGroup
+from .frameworks import after_join, check_world, sharded
+from .process_group import GroupBroken, ReconfigurableProcessGroup, register
 from .restore import (
     WINDOW,
     LocalSlots,
@@ -47,7 +48,7 @@ from .restore import (
     Unrecoverable,
 )
 from .snapshot import SnapshotEngine
-from .state import RNGState, provider_for
+from .state import ModuleState, RNGState, provider_for
 
 __all__ = ["Session", "Fenced", "Unrecoverable", "COLLECTIVE_TIMEOUT", "WINDOW"]
 
@@ -112,8 +113,12 @@ class Session:
         self._beat_fn = beat
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self._pg = ReconfigurableProcessGroup(
-            self._rendezvous_store, backend=backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT), beat=self._beat
+            self._rendezvous_store, backend=backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT), beat=self._beat,
+            rank=rank, world_size=spec.ranks,
         )
+        register(self._pg)  # the default group: dist.get_rank(), dist.all_reduce(t), DeviceMesh
+        self._mesh: Any = None
+        self._shard_world: int | None = None  # the world size FSDP2 shards were cut for
         self.link = ControlLink(self.js, self, node, on_epoch=self._pg.supersede)
         self.chaos = ChaosHook(self.js, spec.chaos, job=job, node=node, agent_pid=agent_pid,
                                persist_root=spec.persist_root, event=self.link.event)
@@ -157,7 +162,23 @@ class Session:
 
     @property
     def process_group(self) -> ReconfigurableProcessGroup:
+        """The job's process group: a ``torch.distributed.ProcessGroup`` (also the default
+        group) whose backend is rebuilt under every epoch. Pass it where a torchrun script
+        passes its group: ``DistributedDataParallel(model, process_group=...)``."""
         return self._pg
+
+    @property
+    def device_mesh(self) -> Any:
+        """A 1-D ``DeviceMesh`` over the job's group, for FSDP2:
+        ``fully_shard(module, mesh=session.device_mesh)``. A job sharded this way keeps its
+        world size: a lost rank is replaced one for one; a shrink or grow is refused."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._mesh = DeviceMesh.from_group(self._pg, self._pg.device.type if self._pg.joined else
+                                               ("cuda" if self._pg.backend_name == "nccl" else "cpu"))
+            self._shard_world = self._pg.size()
+        return self._mesh
 
     @property
     def total_steps(self) -> int:
@@ -218,7 +239,7 @@ class Session:
             while True:
                 if step >= total:
                     self._write_final(total)
-                    if self._pg.barrier():
+                    if self._pg.barrier_():
                         break
                     step = self._join()
                     continue
@@ -318,6 +339,7 @@ class Session:
         while True:
             epoch = self._next_epoch()
             rank, size = self._locate(epoch)
+            check_world(self._shard_world, size, self._shard_world is not None or self._has_shards())
             t0 = time.time()
             log.info("joining epoch %d as rank %d of %d", epoch, rank, size)
             try:
@@ -337,6 +359,10 @@ class Session:
                 restored = self._agree_and_restore(epoch)
             except StepFailed:
                 continue
+            if self._shard_world is None and self._has_shards():
+                self._shard_world = size
+            if after_join(self._pg, fresh_start=restored.step < 0) < 0:
+                continue  # DDP's start-of-job module broadcast failed: wait for the next epoch
             if restored.seated:
                 self._fresh = False
             if restored.clean:
@@ -347,6 +373,10 @@ class Session:
             self.last_restore = restored.info()
             self.link.put(events.restored(rank, epoch, restored.step, **self.last_restore))
             return restored.step + 1
+
+    def _has_shards(self) -> bool:
+        """Whether a tracked model holds FSDP2 shards (DTensor parameters)."""
+        return any(sharded(p.module.parameters()) for _, p in self.snapshots.providers if isinstance(p, ModuleState))
 
     def _agree_and_restore(self, epoch: int) -> Restored:
         """Agree with the other members on the newest step all can restore, and restore it

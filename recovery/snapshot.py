@@ -100,6 +100,7 @@ class SnapshotEngine:
         self.last_capture_s = self.last_wait_s = self.replication_wait_s = 0.0
         self._last_point: tuple[int, int] | None = None  # (step, seq) of the newest point
         self._stream: Any = None
+        self._ready: Any = None  # CUDA event recorded on the training stream at capture()
         self._pinned: set[int] = set()  # base addresses registered with CUDA
         self._preparer = SlotPreparer(self._slots, self.path, name=f"slot-prepare-rank{self.sid}")
         self._beat = beat
@@ -189,6 +190,12 @@ class SnapshotEngine:
         lineage = dict(self.lineage)
         if timeline is not None:
             lineage["timeline"] = timeline
+        self._ready = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # the training thread's stream, now: the background copy of parameters and
+            # optimizer state is ordered after the step that produced them, and only that
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream())
         self._idle.clear()
         self._jobs.put((step, sync, meta, lineage))
         self.last_capture_s = time.perf_counter() - t0
@@ -275,7 +282,8 @@ class SnapshotEngine:
         """GPU tensors: copy into the (pinned) slot on a side stream, ordered after the work
         already queued on the current stream. Returns {index in jobs: event recorded after
         that tensor's copy}, so the slot's ``copied`` mark (and a streaming reader) can
-        follow the copies one by one. Written for the NCCL path; not yet run on a GPU."""
+        follow the copies one by one. Written for the NCCL path; not yet run on a GPU (one
+        device per rank assumed: the side stream is on the first GPU tensor's device)."""
         cuda = [i for i, (_, s) in enumerate(jobs) if s.is_cuda]
         if not cuda:
             return {}
@@ -283,11 +291,15 @@ class SnapshotEngine:
         if base not in self._pinned:  # each mapping once (a new layout maps a new file)
             torch.cuda.cudart().cudaHostRegister(base, slot.data.numel(), 0)
             self._pinned.add(base)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(torch.cuda.default_stream())
+        device = jobs[cuda[0]][1].device
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device=device)  # the tensors' device, not device 0
+        if self._ready is not None:
+            self._stream.wait_event(self._ready)
+        else:
+            self._stream.wait_stream(torch.cuda.default_stream(device))
         events = {}
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.device(device), torch.cuda.stream(self._stream):
             for i in cuda:
                 dst, src = jobs[i]
                 dst.copy_(src, non_blocking=True)

@@ -16,6 +16,7 @@ captured synchronously at the end of the step: it is small.
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -31,6 +32,30 @@ class StateProvider(Protocol):
     def meta(self) -> Any: ...
 
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Any) -> None: ...
+
+
+# -- FSDP2: DTensors are snapshotted and restored as their local shards -------------------
+def is_dtensor(t: object) -> bool:
+    mod = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor can exist
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a snapshot copies: a DTensor's local shard (same storage), else itself."""
+    if is_dtensor(t):
+        return t._local_tensor  # type: ignore[attr-defined]
+    return t
+
+
+def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``value`` (a restored local shard) as a DTensor laid out like ``param``, if ``param``
+    is one and ``value`` is its shard's shape (optimizer moments); else ``value``."""
+    if not is_dtensor(param) or value.shape != local(param).shape:
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(value, param.device_mesh, param.placements,  # type: ignore[attr-defined]
+                              run_check=False, shape=param.shape, stride=param.stride())
 
 
 # -- generic nested state (state_dict() style) ---------------------------------------------
@@ -127,10 +152,10 @@ class ModuleState:
     def _live(self) -> dict[str, torch.Tensor]:
         if self.params:
             key = tuple(id(p) for p in self.module.parameters())
-            if key != getattr(self, "_key", None):
-                self._key, self._cache = key, {k: p for k, p in self.module.named_parameters()}
+            if key != getattr(self, "_key", None):  # FSDP2 parameters: their local shards
+                self._key, self._cache = key, {k: local(p) for k, p in self.module.named_parameters()}
             return self._cache
-        return dict(self.module.named_buffers())  # walked every time: a buffer may be replaced
+        return {k: local(b) for k, b in self.module.named_buffers()}  # walked every time: a buffer may be replaced
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return self._live()
@@ -192,12 +217,15 @@ class OptimizerState:
         if key == getattr(self, "_key", None):
             return self._cache
         out: dict[str, torch.Tensor] = {}
+        self._sharded: list[str] = []  # names whose state is a DTensor (FSDP2): its local shard is kept
         for i, p in enumerate(self._params()):
             st = self.opt.state.get(p)
             if st:
                 for k, v in st.items():
                     if isinstance(v, torch.Tensor):
-                        out[f"state.#{i}.{_name(k)}"] = v
+                        out[f"state.#{i}.{_name(k)}"] = local(v)
+                        if is_dtensor(v):
+                            self._sharded.append(f"state.#{i}.{_name(k)}")
         self._key, self._cache = key, out
         return out
 
@@ -209,14 +237,19 @@ class OptimizerState:
             st = self.opt.state.get(p)
             if st:
                 scalars[str(i)] = {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
-        return split_state({"groups": groups, "scalars": scalars})[1]
+        if getattr(self, "_key", None) is None:
+            self.tensors()
+        return split_state({"groups": groups, "scalars": scalars, "sharded": self._sharded})[1]
 
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Any) -> None:
         m = join_state({}, meta)
+        params = self._params()
+        sharded = set(m.get("sharded", ()))
         state: dict[int, dict] = {}
         for name, t in tensors.items():
             _, idx, key = name.split(".", 2)
-            state.setdefault(int(idx[1:]), {})[_unname(key)] = t.clone()
+            i = int(idx[1:])
+            state.setdefault(i, {})[_unname(key)] = like(t.clone(), params[i]) if name in sharded else t.clone()
         for idx, sc in m["scalars"].items():
             state.setdefault(int(idx), {}).update(sc)
         groups, start = [], 0
@@ -258,7 +291,7 @@ class RNGState:
 
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Any) -> None:
         torch.set_rng_state(tensors["torch"].clone())
-        cuda = [tensors[k].clone() for k in sorted(k for k in tensors if k.startswith("cuda"))]
+        cuda = [tensors[k].clone() for k in sorted((k for k in tensors if k.startswith("cuda")), key=lambda k: int(k[4:]))]
         if cuda and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(cuda)
         name, pos, has_gauss, cached = meta["numpy"]

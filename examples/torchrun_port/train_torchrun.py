@@ -6,7 +6,7 @@ Run it with:
 
     torchrun --nproc-per-node 2 examples/torchrun_port/train_torchrun.py --steps 100
 
-train_hotspare.py next to it is the same script ported to hotspare (diff the two files).
+../ddp_train.py is the same script on hotspare, still with DDP (diff the two files).
 """
 
 import argparse

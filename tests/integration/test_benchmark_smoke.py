@@ -136,3 +136,28 @@ def test_smoke_defaults_yield_to_explicit_flags_and_never_write_results(monkeypa
     finally:
         for mod in ("common", "lost_time"):
             sys.modules.pop(mod, None)
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_ddp_overhead_smoke(tmp_path):
+    """examples/ddp_train.py under hotspare and under torchrun: every run ok, one recovery and one
+    restart, and the final states compared (all of them identical with 2 ranks)."""
+    data = assert_ok(*smoke("ddp_overhead", tmp_path))
+    runs = ("hotspare_nofail", "hotspare_fail", "torchrun_nofail", "torchrun_fail", "plain", "plain_param_order")
+    [trial] = data["trials"]
+    for k in runs:
+        assert trial[k]["ok"], (k, trial[k])
+        assert trial[k]["span_s"] > 0 and trial[k]["wall_s"] > 0, (k, trial[k])
+    assert trial["torchrun_fail"]["attempts"] == 2  # killed once, restarted, resumed from a checkpoint
+    assert len(trial["hotspare_fail"]["recoveries"]) == 1
+    assert trial["plain_param_order"]["buckets"] == "param-order" and trial["plain"]["buckets"] == "ready-order"
+    same = trial["identical"]
+    assert set(same) == {"hotspare_fail vs hotspare_nofail", "torchrun_fail vs torchrun_nofail",
+                         "plain vs torchrun_nofail", "plain_param_order vs hotspare_nofail",
+                         "torchrun_nofail vs hotspare_nofail"}, same
+    assert same["hotspare_fail vs hotspare_nofail"]["compared"] == "full"
+    assert all(v["identical"] is True and v["required"] for v in same.values()), same
+    for key in ("overhead_ratio", "bucket_order_ratio", "hotspare_lost_s", "torchrun_lost_s", "ratio"):
+        assert isinstance(data[key], (int, float)), (key, data[key])  # computed; values not checked
+    assert data["config"]["workload"]["params"] > 0
+    assert set(data["step_ms"]) == {"hotspare_nofail", "torchrun_nofail", "plain", "plain_param_order"}

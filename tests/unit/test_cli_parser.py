@@ -69,7 +69,8 @@ def test_chaos_accepts_the_table_s_command_line_actions_and_describes_each(capsy
 
 def test_etcd_flags_win_over_the_environment_which_wins_over_the_spec(monkeypatch, tmp_path):
     for var in ("HOTSPARE_ETCD_CA", "HOTSPARE_ETCD_USER", "HOTSPARE_ETCD_PASSWORD", "HOTSPARE_ETCD_PASSWORD_FILE"):
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "")  # recorded, so that what s.export() sets below is undone afterwards
+        monkeypatch.delenv(var)
     monkeypatch.setenv("HOTSPARE_ETCD_USER", "from-env")
     monkeypatch.setenv("HOTSPARE_ETCD_PASSWORD", "env-password")
     pw = tmp_path / "pw"

@@ -1,18 +1,23 @@
-"""The torchrun script train_torchrun.py ported to hotspare: the "after" of docs/user-guide.md.
+"""The torchrun script torchrun_port/train_torchrun.py on hotspare, still with DDP: the
+"after" of docs/user-guide.md.
 
 Run it with:
 
-    hotspare run examples/torchrun_port/job.yaml
+    hotspare run examples/ddp_train.yaml
 
-Diff it against train_torchrun.py to see the port: the arguments become the function's
-keyword arguments (set in job.yaml), the session replaces init_process_group, DDP and the
-epoch loop, the data loader and the state are tracked, and the final weights are written
-for you (hotspare.load_final(output_dir)).
+Diff it against torchrun_port/train_torchrun.py to see the port: the arguments become the
+function's keyword arguments (set in ddp_train.yaml), DDP takes the session's process group,
+the DistributedSampler + DataLoader become session.data_loader, the state is tracked, and
+the final weights are written for you (hotspare.load_final(output_dir)).
 """
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
 
@@ -28,12 +33,12 @@ def make_model(features: int = 16) -> nn.Module:
 
 
 def train(session, batch_size: int = 16, accum: int = 2, lr: float = 1e-2, seed: int = 0) -> None:
-    rank = session.rank
+    rank = dist.get_rank()
     torch.manual_seed(seed)
 
     dataset = make_dataset(seed=seed)
     loader = session.data_loader(dataset, batch_size=batch_size * accum, shuffle=True, seed=seed, drop_last=True)
-    model = make_model()
+    model = DDP(make_model(), process_group=session.process_group)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=session.total_steps)
     session.track(model=model, optimizer=opt, scheduler=sched)
@@ -41,11 +46,12 @@ def train(session, batch_size: int = 16, accum: int = 2, lr: float = 1e-2, seed:
     for step, (x, y) in zip(session.steps(), loader, strict=False):  # the loader is endless
         opt.zero_grad()
         total = 0.0
-        for xb, yb in zip(x.chunk(accum), y.chunk(accum), strict=True):
-            loss = F.mse_loss(model(xb), yb) / accum
-            loss.backward()
+        for i, (xb, yb) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
+            last = i == accum - 1
+            with contextlib.nullcontext() if last else model.no_sync():  # all-reduce once per step
+                loss = F.mse_loss(model(xb), yb) / accum
+                loss.backward()
             total += loss.item()
-        session.allreduce_grads(model)  # all-reduce once per step
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
