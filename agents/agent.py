@@ -40,6 +40,7 @@ from hotspare.orchestrator.store import (
     StoreError,
     World,
 )
+from hotspare.orchestrator.store.records import BadRecord
 
 from .node_chaos import NodeChaos
 from .node_services import NodeServices, ring_buddies, sweep_stale_run_dirs
@@ -58,9 +59,14 @@ from .worker_link import (
     STATE_NAMES,
     WARM,
     Assignment,
+    SpecTampered,
     WorkerEnv,
+    pin_spec,
 )
 from .zygote import Zygote, zygote_for_agent
+
+#: the agent's exit code when the job's spec in etcd is not the one its launcher submitted
+EXIT_SPEC_TAMPERED = 4
 
 __all__ = ["POLL", "Agent", "WorkerProc", "ring_buddies", "sweep_stale_run_dirs"]
 
@@ -93,6 +99,7 @@ class Agent:
         run_id: str | None = None,
         etcd_outage_limit: float | None = None,
         zygote: str | None = None,
+        spec_digest: str | None = None,
     ) -> None:
         self.store = store
         self.js = JobStore(store, job)
@@ -114,8 +121,12 @@ class Agent:
         #: the submission this agent serves: given (the launcher knows it), else the spec's
         self.run_id = run_id or ""
         self._want_run = run_id
+        #: the spec's digest as submitted (JobSpec.digest), when the launcher gives it: a spec in
+        #: etcd that differs was changed by someone with write access to etcd, and is refused
+        self._want_digest = spec_digest or os.environ.get("HOTSPARE_SPEC_SHA256") or None
         self._outage_limit = etcd_outage_limit  # None: default_etcd_outage_limit(lease_ttl)
         self._etcd_seen = time.monotonic()  # when etcd last answered the loop
+        self._trouble = ""  # what last kept the loop from following the job (logged once)
         #: where warm workers come from (:mod:`hotspare.agents.zygote`): None, a zygote of our
         #: own; a socket path, a shared one; "off", none (every worker imports torch itself)
         self._zygote_at = zygote
@@ -130,7 +141,11 @@ class Agent:
 
     # -- life cycle -----------------------------------------------------------------------
     def run(self) -> int:
-        spec = self._wait_for_spec()
+        try:
+            spec = self._wait_for_spec()
+        except SpecTampered as e:
+            log.error("%s", e)
+            return EXIT_SPEC_TAMPERED
         if spec is None:
             log.error("job %s not found in etcd after %.0fs; giving up", self.job, self.wait_for_job)
             return 2  # what launchers have always seen for a job that never appeared
@@ -168,6 +183,7 @@ class Agent:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.services = NodeServices(spec, job=self.job, node=self.node, secret=self.js.secret(),
                                      host=self.host, event=self._event).start()
+        pin_spec(self.run_dir, spec)  # what every worker of this agent runs, never re-read from etcd
         self.chaos = NodeChaos(self.js, self.node, self.services, spec.lease_ttl)
         self.zygote = zygote_for_agent(self._zygote_at, self._worker_base_env(),
                                        self.log_dir / f"zygote-{self.node}.log")
@@ -182,6 +198,11 @@ class Agent:
             try:
                 spec = self.js.spec()
                 if spec is not None and self._want_run in (None, spec.run_id):
+                    if self._want_digest and spec.digest() != self._want_digest:
+                        raise SpecTampered(
+                            f"the spec of job {self.job} in etcd (sha256 {spec.digest()[:16]}...) is not the one "
+                            f"submitted (sha256 {self._want_digest[:16]}...): someone with write access to etcd "
+                            "changed it; refusing to run it (resubmit the job, and restrict who can write etcd)")
                     return spec
             except StoreError:
                 pass
@@ -254,6 +275,7 @@ class Agent:
                     if self._follow_job():
                         return 0
                     self._etcd_seen = now
+                    self._trouble = ""
                 self._publish()
             except LeaseLost:
                 self._fenced("lease lost")
@@ -262,7 +284,23 @@ class Agent:
                     return 1
                 log.warning("etcd: %s (training continues; retrying)", e)
                 time.sleep(0.5)
+            except BadRecord as e:  # etcd answered, with a record of the job we cannot read
+                self._etcd_seen = time.monotonic()
+                self._survive(e)
+            except Exception as e:  # noqa: BLE001 - a record we cannot act on must not end the node
+                self._survive(e)
         return 0
+
+    def _survive(self, e: Exception) -> None:
+        """The loop raised (a job record it cannot read or act on): log it, once while it
+        lasts, and go on -- the workers keep training, the seats already held stay held, and the
+        next read of the job tries again. Leaving would take this node's workers down with us
+        because of one bad record in etcd (docs/security.md)."""
+        what = f"{type(e).__name__}: {e}"
+        if what != self._trouble:
+            self._trouble = what
+            log.error("cannot follow job %s (%s); training continues, retrying", self.job, what,
+                      exc_info=not isinstance(e, BadRecord))
 
     def _etcd_gone(self) -> bool:
         """True (time to leave) once etcd has not answered for the outage limit: its job's
@@ -364,12 +402,14 @@ class Agent:
 
     # -- supervision ----------------------------------------------------------------------
     def _supervise(self) -> None:
-        now = time.time()
+        # the watchdog times silence on the monotonic clock: a wall-clock step (NTP, a VM
+        # resumed) must not make every busy worker look hung; reports carry wall time
+        mono, now = time.monotonic(), time.time()
         for slot, w in list(self.workers.items()):
             code = w.proc.poll()
             if code is None:
                 if w.state is WorkerState.ASSIGNED:
-                    self._watch(w, now)
+                    self._watch(w, mono)
                 continue
             startup = code == EXIT_STARTUP_ERROR  # the job's code cannot start: no respawn loop
             if (w.holds_seat and code != 0) or startup:
@@ -387,9 +427,11 @@ class Agent:
                 self._spawn(slot)
 
     def _watch(self, w: WorkerProc, now: float) -> None:
-        """The watchdog: kill an assigned worker whose heartbeat stopped changing."""
-        # liveness = the heartbeat record *changing*, timed on our own clock:
-        # immune to clock skew and to reading a record mid-write
+        """The watchdog: kill an assigned worker whose heartbeat stopped changing. ``now`` is
+        ``time.monotonic()``, the clock of ``assigned_at`` and ``last_change``."""
+        # liveness = the heartbeat record *changing*, timed on our own monotonic clock: immune
+        # to clock skew, to wall-clock steps and to reading a record mid-write (the time the
+        # worker writes into it is never compared with ours)
         seen = w.hb.read()
         if seen != w.last_hb:
             w.last_hb, w.last_change = seen, now

@@ -132,7 +132,7 @@ class NodeChaos:
             except ProcessLookupError:
                 pass
         for w in self._frozen:
-            w.assigned_at = time.time()  # the watchdog counts from the heal, not the freeze
+            w.assigned_at = time.monotonic()  # the watchdog counts from the heal, not the freeze
         self._frozen = []
         self.services.pause(False)
         assert lease is not None

@@ -60,8 +60,8 @@ class WorkerProc:
     rank: int = -1  # meaningful once ASSIGNED; a shrink may change it
     sid: int = -1  # the seat's state id: stays when a shrink renumbers the rank
     epoch: int = 0
-    assigned_at: float = 0.0
-    # watchdog bookkeeping: the last heartbeat record seen and when it last changed
+    assigned_at: float = 0.0  # time.monotonic() of the assignment: the watchdog's clock
+    # watchdog bookkeeping: the last heartbeat record seen and when it last changed (monotonic)
     last_hb: tuple = ()
     last_change: float = 0.0
 
@@ -75,7 +75,7 @@ class WorkerProc:
 
     def assign(self, rank: int, sid: int, epoch: int) -> None:
         self.state = WorkerState.ASSIGNED
-        self.rank, self.sid, self.epoch, self.assigned_at = rank, sid, epoch, time.time()
+        self.rank, self.sid, self.epoch, self.assigned_at = rank, sid, epoch, time.monotonic()
 
     def send(self, assignment: Assignment) -> bool:
         """Write the assignment line to the worker's stdin; False if it has just died."""

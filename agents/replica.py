@@ -4,7 +4,7 @@
   :class:`hotspare.recovery.slotfile.SlotDir`) and the replicas its buddies pushed to it.
 * :class:`ReplicaServer` answers ``list`` (which steps of a sid do you hold?), ``get``
   (send me sid s at step n) and ``put`` (keep this replica) over authenticated,
-  checksummed frames (:mod:`hotspare.recovery.wire`). It serves the snapshot slots its own workers
+  frames MACed over header and body (:mod:`hotspare.recovery.wire`). It serves the snapshot slots its own workers
   wrote -- also those of a worker that crashed: they live in shared memory -- and the
   replicas its buddies pushed to it. The client side is :mod:`hotspare.recovery.replica_client`.
 * :class:`Replicator` watches this node's point slots and pushes every newly completed
@@ -12,7 +12,7 @@
   always sends the newest complete point: if the link is slower than training,
   intermediate points are skipped, never queued.
 
-Protocol ``HSP1`` calls the state id ``"rank"`` on the wire; in this module it is a sid.
+The protocol (``HSP1``, now ``HSP2``) calls the state id ``"rank"`` on the wire; in this module it is a sid.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import logging
 import os
 import queue
 import re
+import socket
 import socketserver
 import threading
 import time
@@ -45,7 +46,7 @@ from .node_view import Buddy, NodeView
 log = logging.getLogger("hotspare.replica")
 
 KEEP = 3  # replicas kept per sid
-_REPLICA = re.compile(r"^replica-rank(\d+)-step(-?\d+)\.bin$")
+_REPLICA = re.compile(r"^replica-rank(\d+)-step(-?\d+)\.bin\Z")
 
 
 class ReplicaStore:
@@ -127,19 +128,32 @@ class ReplicaStore:
             self.replica_path(sid, old).unlink(missing_ok=True)
 
 
+#: a stranger on the replica port gets this long to answer the challenge (was the wire's 10 s)
+HANDSHAKE_TIMEOUT = 2.0
+#: an authenticated connection may stay silent this long between frames
+IDLE_TIMEOUT = 10.0
+#: handshakes in progress at once: a stranger gets no more threads and descriptors than these
+#: (each for at most HANDSHAKE_TIMEOUT), whatever number of connections it opens
+MAX_PENDING = 32
+
+
 class _Handler(socketserver.BaseRequestHandler):
     server: _Server
 
     def handle(self) -> None:
         srv = self.server
-        if srv.owner.paused:  # chaos: partitioned node
-            return
         try:
-            ch = Channel.server(self.request, srv.secret)
-        except (WireError, OSError) as e:
-            log.warning("refused replica connection from %s: %s", self.client_address[0], e)
-            return
+            if srv.owner.paused:  # chaos: partitioned node
+                return
+            try:
+                ch = Channel.server(self.request, srv.secret, timeout=HANDSHAKE_TIMEOUT)
+            except (WireError, OSError) as e:
+                srv.refused(self.client_address[0], str(e))
+                return
+        finally:
+            srv.handshake_over(self.request, self.client_address[0])
         try:
+            self.request.settimeout(IDLE_TIMEOUT)
             while True:
                 try:
                     header, body = ch.recv()
@@ -155,11 +169,80 @@ class _Handler(socketserver.BaseRequestHandler):
 
 
 class _Server(socketserver.ThreadingTCPServer):
+    """A thread per connection, but a bounded number of them for connections that have not
+    authenticated yet: with :data:`MAX_PENDING` handshakes pending, a new connection drops the
+    oldest pending handshake of the source address that has the most. A flood therefore holds
+    at most ``MAX_PENDING`` threads and descriptors, each for at most
+    :data:`HANDSHAKE_TIMEOUT`, and it evicts itself: a genuine peer's handshake (one round
+    trip) is served throughout -- from another address always, from the flood's own address
+    unless the flood opens ``MAX_PENDING`` connections within that round trip."""
+
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # a burst of connections waits in the kernel, not in SYN retries
     secret: bytes
     answer: Callable[[dict, bytes], tuple[dict, bytes]]
     owner: ReplicaServer
+
+    def __init__(self, address: tuple[str, int], handler: type[socketserver.BaseRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self._lock = threading.Lock()
+        #: source address -> its pending handshakes, oldest first (the dicts keep insertion order)
+        self._pending: dict[str, dict[object, None]] = {}
+        self._npending = 0
+        self._refused = 0  # since the last log line about them
+        self._refused_logged = 0.0
+        self.refused_count = 0  # connections that failed their handshake or were dropped, in all
+
+    def process_request(self, request, client_address) -> None:  # noqa: ANN001 - socketserver's
+        self._admit(request, client_address[0])
+        try:
+            super().process_request(request, client_address)  # its thread calls handshake_over
+        except BaseException:
+            self.handshake_over(request, client_address[0])
+            raise
+
+    def _admit(self, request: object, host: str) -> None:
+        with self._lock:
+            if self._npending >= MAX_PENDING:
+                # the address holding the most pending handshakes pays, with its oldest: a
+                # flood evicts itself, not a peer whose one handshake takes a round trip
+                worst = max(self._pending, key=lambda h: len(self._pending[h]))
+                old = next(iter(self._pending[worst]))
+                self._forget(old, worst)
+                try:  # its handler wakes, counts it refused and closes it. It cannot have closed it
+                    # yet: it calls handshake_over (under this lock) first, and it was still pending
+                    old.shutdown(socket.SHUT_RDWR)  # type: ignore[attr-defined]
+                except OSError:
+                    pass
+            self._pending.setdefault(host, {})[request] = None
+            self._npending += 1
+
+    def handshake_over(self, request: object, host: str) -> None:
+        """``request`` (from ``host``) authenticated or failed: it no longer counts as pending."""
+        with self._lock:
+            if request in self._pending.get(host, ()):
+                self._forget(request, host)
+
+    def _forget(self, request: object, host: str) -> None:
+        mine = self._pending[host]
+        del mine[request]
+        self._npending -= 1
+        if not mine:
+            del self._pending[host]
+
+    def refused(self, host: str, why: str) -> None:
+        """Count a connection that failed its handshake (or was dropped); log at most one line
+        per 10 s about them (a flood must not flood the log)."""
+        with self._lock:
+            self.refused_count += 1
+            self._refused += 1
+            now = time.monotonic()
+            if self._refused_logged and now - self._refused_logged < 10.0:
+                return
+            log.warning("refused %d replica connection(s) since the last such line; the latest from %s: %s",
+                        self._refused, host, why)
+            self._refused, self._refused_logged = 0, now
 
 
 class ReplicaServer:

@@ -48,8 +48,10 @@ from .worker_link import (
     Assignment,
     Heartbeat,
     Raised,
+    SpecTampered,
     WorkerEnv,
     fatal_path,
+    pinned_spec,
 )
 from .zygote import die_with_agent
 
@@ -126,7 +128,11 @@ def warm_up(env: WorkerEnv, hb: Heartbeat) -> tuple[Store, JobSpec, Callable] | 
 
     torch.set_num_threads(env.threads)
     store = Store.from_env()
-    spec = JobStore(store, env.job).spec()
+    try:  # the spec the agent validated, never re-read from etcd (docs/security.md)
+        spec = pinned_spec(env.snap_dir, env.job) if env.snap_dir else JobStore(store, env.job).spec()
+    except SpecTampered as e:
+        print(f"worker refuses to start: {e}", file=sys.stderr)
+        return None
     if spec is None:
         print(f"job {env.job} has no spec in etcd", file=sys.stderr)
         return None

@@ -27,6 +27,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 #: The worker's module. It is started through :func:`worker_command`, never ``python -m``.
 WORKER_MODULE = "hotspare.agents.worker"
@@ -111,6 +112,41 @@ class Raised:
 #: assignment a worker writes to its slot's log, ``worker-<node>-slot<k>.log``, which the
 #: slot's successive workers share: ``hotspare logs --rank`` cuts it into their parts here.
 WORKER_STARTED = "worker starting"
+
+
+# -- the job's spec, as the agent validated it -------------------------------------------------
+SPEC_FILE = "spec.json"
+
+
+class SpecTampered(RuntimeError):
+    """The job's spec in etcd is not the one that was submitted (or that the agent pinned)."""
+
+
+def pin_spec(run_dir: Path, spec: Any) -> Path:
+    """Write the spec the agent validated into its private run directory (0700; the file
+    0600). Its workers run this one: a worker never re-reads the spec from etcd, so whoever
+    can write a job's etcd keys cannot make the next (re)started worker import other code."""
+    path = Path(run_dir) / SPEC_FILE
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(spec.to_json())
+    os.replace(tmp, path)
+    return path
+
+
+def pinned_spec(run_dir: str | Path, job: str) -> Any:
+    """The spec :func:`pin_spec` wrote, for a worker of ``job``."""
+    from hotspare.orchestrator.spec import JobSpec
+
+    path = Path(run_dir) / SPEC_FILE
+    try:
+        spec = JobSpec.from_json(path.read_bytes())
+    except FileNotFoundError:
+        raise SpecTampered(f"no {path}: this worker was not started by an agent of job {job}") from None
+    if spec.name != job:
+        raise SpecTampered(f"{path} holds the spec of job {spec.name!r}, not {job!r}")
+    return spec
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,8 @@ def save(ckpt_dir: Path, step: int, rank: int, model, opt, sched, data) -> None:
         "data": data.state_dict(),
         "rng_torch": torch.get_rng_state(),
         "rng_python": random.getstate(),
-        "rng_numpy": np.random.get_state(),
+        # numpy's state as plain values and a tensor: the checkpoint loads with weights_only=True
+        "rng_numpy": (lambda n, k, p, g, c: (n, torch.from_numpy(k.astype(np.int64)), p, g, c))(*np.random.get_state()),
     }
     final = ckpt_dir / f"ckpt-{step:08d}-rank{rank}.pt"
     tmp = ckpt_dir / f".tmp-{step:08d}-rank{rank}-{os.getpid()}.pt"
@@ -148,14 +149,15 @@ def save(ckpt_dir: Path, step: int, rank: int, model, opt, sched, data) -> None:
 
 
 def load(ckpt_dir: Path, step: int, rank: int, model, opt, sched, data) -> None:
-    state = torch.load(ckpt_dir / f"ckpt-{step:08d}-rank{rank}.pt", weights_only=False)
+    state = torch.load(ckpt_dir / f"ckpt-{step:08d}-rank{rank}.pt", weights_only=True)  # never unpickle code
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
     data.load_state_dict(state["data"])
     torch.set_rng_state(state["rng_torch"])
     random.setstate(state["rng_python"])
-    np.random.set_state(state["rng_numpy"])
+    name, keys, pos, has_gauss, cached = state["rng_numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,4 +223,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip the interpreter's teardown: a gloo/c10d destructor at exit aborted workers now and
+    # then ("terminate called without an active exception", exit -6), which torchrun takes
+    # for a failure and restarts (an extra attempt; see ddp_torchrun_worker.py)
+    os._exit(rc)

@@ -47,7 +47,7 @@ from common import (
 )
 
 from hotspare.agents.node_workers import spawn_worker
-from hotspare.agents.worker_link import WARM, Heartbeat, WorkerEnv
+from hotspare.agents.worker_link import WARM, Heartbeat, WorkerEnv, pin_spec
 from hotspare.agents.zygote import Zygote
 from hotspare.orchestrator.etcd_server import start_etcd
 from hotspare.orchestrator.spec import parse_spec
@@ -92,6 +92,7 @@ class Bench:
                                "ranks": 1, "spares": 0, "steps": 10, "output_dir": str(tmp / "out"),
                                "args": {"n_layer": 1, "n_embd": 32, "block_size": 32}})
             JobStore(self.store, "wstart").submit(spec, os.urandom(32))
+            pin_spec(tmp, JobStore(self.store, "wstart").spec())  # as an agent does for its workers
         except BaseException:
             self.close()
             raise

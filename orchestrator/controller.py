@@ -23,7 +23,9 @@ from .failure_guards import new_failures
 from .store import (
     CONTROLLER,
     Event,
+    EventKind,
     Failure,
+    JobKeys,
     JobSnapshot,
     JobState,
     JobStore,
@@ -36,6 +38,7 @@ from .store import (
     last_line,
     list_runs,
 )
+from .store.records import BadRecord
 
 log = logging.getLogger("hotspare.controller")
 
@@ -66,6 +69,8 @@ class Controller:
         # name: a finished job's name may be submitted again, and the new run is served
         self._finished: set[tuple[str, str]] = set()
         self._runs: dict[str, str] = {}  # job -> run id last reconciled (per-run memory above)
+        self._trouble: dict[str, str] = {}  # job -> the error its last cycle failed with (logged once)
+        self._bad_said: dict[str, set[tuple[str, str]]] = {}  # job -> (key, error) of skipped records reported
 
     # -- leadership -----------------------------------------------------------------------
     def _ensure_lease(self) -> Lease:
@@ -87,12 +92,13 @@ class Controller:
 
     # -- loop -----------------------------------------------------------------------------
     def run(self) -> None:
-        cancel = self.store.watch_prefix("/hotspare/", self._wake.set)
+        # one job: watch its keys only (an etcd role limited to them is enough, security F4)
+        cancel = self.store.watch_prefix(JobKeys(self.only_job).prefix if self.only_job else "/hotspare/", self._wake.set)
         try:
             while not self._stop.is_set():
                 try:
                     for job in self._jobs():
-                        self.reconcile_once(job)
+                        self._reconcile_guarded(job)
                 except StoreUnavailable as e:
                     log.warning("etcd unavailable (%s); retrying", e)
                     time.sleep(0.5)
@@ -110,6 +116,54 @@ class Controller:
             if self._lease is not None:
                 self._lease.revoke()
 
+    def _reconcile_guarded(self, job: str) -> None:
+        """One cycle for one job, in a try of its own: whatever one job's records make it
+        raise (a record that does not parse, a decision that fails), the jobs after it are
+        still reconciled. etcd being unavailable or our lease lost concern every job: they
+        end the round."""
+        try:
+            self.reconcile_once(job)
+            self._trouble.pop(job, None)
+        except (StoreUnavailable, LeaseLost):
+            raise
+        except StoreError as e:
+            log.warning("[%s] store error: %s", job, e)
+        except Exception as e:  # noqa: BLE001 - one job's bad records must not stop the others
+            self._job_failed(job, e)
+
+    def _job_failed(self, job: str, e: Exception) -> None:
+        """Log a job's failed cycle and put it on the job's timeline, once while it lasts
+        (the cycle runs twice a second); only a controller that leads the job writes it."""
+        what = f"{type(e).__name__}: {e}"
+        if self._trouble.get(job) == what:
+            return
+        self._trouble[job] = what
+        log.error("[%s] cannot reconcile this job (%s); the other jobs go on", job, what,
+                  exc_info=not isinstance(e, BadRecord))
+        try:
+            js = JobStore(self.store, job)
+            if self.lead(js):
+                js.event(EventKind.RECONCILE_FAILED, events.CONTROLLER_SOURCE,
+                         f"the controller cannot reconcile job {job}: {what}",
+                         error=what, **({"key": e.key} if isinstance(e, BadRecord) else {}))
+        except StoreError as err:
+            log.warning("[%s] could not record it on the job's timeline: %s", job, err)
+
+    def _report_bad_records(self, js: JobStore, snap: JobSnapshot) -> None:
+        """Put each record the snapshot skipped (it does not parse) on the job's timeline,
+        once per record and error."""
+        said = self._bad_said.setdefault(js.job, set())
+        for key, error in snap.bad.items():
+            if (key, error) in said:
+                continue
+            try:  # the decision must not wait on this line: a failed write is retried next cycle
+                js.event(EventKind.BAD_RECORD, events.CONTROLLER_SOURCE,
+                         f"skipped record {key}: it does not parse ({error})", key=key, error=error)
+            except StoreError as e:
+                log.warning("[%s] could not record the skipped record %s: %s", js.job, key, e)
+                return
+            said.add((key, error))
+
     def _jobs(self) -> list[str]:
         if self.only_job:
             return [self.only_job]
@@ -126,11 +180,14 @@ class Controller:
             self._runs[job] = snap.run_id
             self._said.pop(job, None)
             self._waiting.pop(job, None)
+            self._bad_said.pop(job, None)
         if snap.state.terminal:
             self._finished.add((job, snap.run_id))
             return None
         if not self.lead(js):
             return None
+        if snap.bad:
+            self._report_bad_records(js, snap)
         if snap.chaos.get(CONTROLLER):
             self._chaos(js)
         decision = decide(snap)

@@ -74,7 +74,8 @@ class EtcdServer:
     ) -> EtcdServer:
         binary = find_etcd()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        peer = f"http://{self.host}:{self.peer_port}"
+        # one member: its peer port never needs to be reachable from another host
+        peer = f"http://127.0.0.1:{self.peer_port}"
         args = [
             binary,
             "--name", "hotspare",
@@ -83,7 +84,7 @@ class EtcdServer:
             "--data-dir", str(self.data_dir),
             "--listen-client-urls", self._listen(self.client_port, self.scheme),
             "--advertise-client-urls", self.endpoint,
-            "--listen-peer-urls", self._listen(self.peer_port, "http"),
+            "--listen-peer-urls", peer,
             "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"hotspare={peer}",
             "--heartbeat-interval", "50",

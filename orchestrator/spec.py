@@ -30,6 +30,7 @@ import yaml
 
 from . import chaos
 from .spec_fields import (
+    MAX_PROCESSES,
     check_keys,
     check_required,
     parse_args,
@@ -273,10 +274,11 @@ def _parse_shape(data: Mapping[str, Any], base_dir: str) -> dict[str, Any]:
     return {
         "name": parse_name(data["name"]),
         "entrypoint": parse_entrypoint(data["entrypoint"], base_dir),
-        "ranks": parse_int("ranks", data["ranks"], minimum=1),
+        "ranks": parse_int("ranks", data["ranks"], minimum=1, maximum=MAX_PROCESSES),
         "steps": parse_int("steps", data["steps"], minimum=1),
-        "spares": parse_int("spares", _opt(data, "spares"), minimum=0, default=_DEFAULTS["spares"]),
-        "ranks_per_node": parse_int("ranks_per_node", _opt(data, "ranks_per_node"), minimum=1,
+        "spares": parse_int("spares", _opt(data, "spares"), minimum=0, default=_DEFAULTS["spares"],
+                           maximum=MAX_PROCESSES),
+        "ranks_per_node": parse_int("ranks_per_node", _opt(data, "ranks_per_node"), minimum=1, maximum=MAX_PROCESSES,
                                     default=_DEFAULTS["ranks_per_node"]),
         "args": parse_args(_opt(data, "args")),
         "etcd": parse_etcd(_opt(data, "etcd"), base_dir),

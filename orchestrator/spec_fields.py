@@ -20,7 +20,7 @@ from .spec_model import BACKEND_OPTIONS, EtcdConfig, SpecError, yaml_shape
 
 # DNS-label rules: the name ends up in etcd keys, k8s object names and Slurm job names, and this is
 # the strictest of those.
-_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\Z")  # \Z: "$" would let a trailing newline through
 _EXAMPLE_ENDPOINT = "http://127.0.0.1:2379"
 
 
@@ -81,7 +81,15 @@ def _none_hint(value: Any, default: Any) -> str:
     return ""
 
 
-def parse_int(field_path: str, value: Any, *, minimum: int, default: Any = _MISSING) -> int:
+#: sane upper bounds (security review F18: `ranks: 1e30` made the local backend build a list of
+#: 10^30 nodes; a TTL of 1e300 overflowed gRPC's int64): counts of processes, anything else
+#: (steps, retries; JSON's exact integers), and durations
+MAX_PROCESSES = 65536
+MAX_INT = 2**53 - 1
+MAX_SECONDS = 30 * 86400.0
+
+
+def parse_int(field_path: str, value: Any, *, minimum: int, default: Any = _MISSING, maximum: int = MAX_INT) -> int:
     # bool is an int subclass; `ranks: yes` must not quietly mean 1.
     if isinstance(value, bool) or not isinstance(value, int):
         raise SpecError(
@@ -89,6 +97,8 @@ def parse_int(field_path: str, value: Any, *, minimum: int, default: Any = _MISS
         )
     if value < minimum:
         raise SpecError(f"must be >= {minimum}, got {value}", field=field_path)
+    if value > maximum:
+        raise SpecError(f"must be <= {maximum}, got {value}", field=field_path)
     return value
 
 
@@ -122,6 +132,8 @@ def parse_seconds(
         raise SpecError(f"must be >= {minimum:g} seconds, got {value!r}", field=field_path)
     if above is not None and seconds <= above:
         raise SpecError(f"must be > {above:g} seconds, got {value!r}", field=field_path)
+    if seconds > MAX_SECONDS:
+        raise SpecError(f"must be <= {MAX_SECONDS:g} seconds (30 days), got {value!r}", field=field_path)
     return seconds
 
 
@@ -355,7 +367,21 @@ def parse_output_dir(value: Any, base_dir: str, name: str = "output_dir") -> str
             f"must be a directory path, got {value!r} (e.g. {name}: runs/my-job)",
             field=name,
         )
+    _one_line(value, name)
     return resolve_path(value, base_dir)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _one_line(value: str, field: str) -> str:
+    """Refuse control characters (a newline above all): such a value, written into a Slurm
+    batch script or a command line, becomes a line of its own (security review F12)."""
+    m = _CONTROL.search(value)
+    if m:
+        raise SpecError(f"must not contain control characters such as newlines, got {value!r} "
+                        f"(character {m.group()!r} at position {m.start()})", field=field)
+    return value
 
 
 def parse_persist_path(value: Any, base_dir: str) -> str | None:
@@ -384,6 +410,8 @@ def parse_env(value: Any) -> dict[str, str]:
             )
         if isinstance(item, bool):
             out[key] = "true" if item else "false"
+        elif isinstance(item, str) and "\0" in item:  # Popen would raise in every agent at spawn
+            raise SpecError(f"must not contain a NUL character, got {item!r}", field=f"env.{key}")
         elif isinstance(item, (str, int, float)):
             out[key] = str(item)
         else:
@@ -410,7 +438,7 @@ def parse_backend_options(backend: str, value: Any) -> dict[str, Any]:
         kind, help_ = schema[key]
         where = f"{backend}.{key}"
         if kind == "str" and isinstance(item, str) and item.strip():
-            out[key] = item
+            out[key] = item if key == "setup" else _one_line(item, where)  # setup: shell lines, on purpose
         elif kind == "int" and isinstance(item, int) and not isinstance(item, bool) and item >= 0:
             out[key] = item
         elif kind == "float" and isinstance(item, (int, float)) and not isinstance(item, bool) \
@@ -418,7 +446,7 @@ def parse_backend_options(backend: str, value: Any) -> dict[str, Any]:
             out[key] = float(item)
         elif kind == "strlist" and isinstance(item, (list, tuple)) \
                 and all(isinstance(x, str) and x for x in item):
-            out[key] = list(item)
+            out[key] = [_one_line(x, where) for x in item]
         elif kind in ("strmap", "strfloat") and isinstance(item, Mapping) and all(
             isinstance(k, str) and k and (
                 isinstance(v, str) if kind == "strmap"

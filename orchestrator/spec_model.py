@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import warnings
 from collections.abc import Mapping
@@ -284,6 +285,12 @@ class JobSpec:
     def to_json(self, indent: int | None = None) -> str:
         """The spec as JSON, the form in which it is stored in etcd and handed to agents."""
         return json.dumps(self.to_dict(), indent=indent)
+
+    def digest(self) -> str:
+        """SHA-256 of the spec's canonical JSON: what a launcher hands its agents so that they
+        run the spec that was validated at submit, not whatever etcd holds by then."""
+        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> JobSpec:

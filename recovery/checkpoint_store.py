@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from hotspare.orchestrator.util import atomic_write, fsync_dir
 
 #: a step's directory name: ``step00000040``
-STEP_RE = re.compile(r"^step(\d{8})$")
+STEP_RE = re.compile(r"^step(\d{8})\Z")
 MANIFEST = "manifest.json"
 _COPY_CHUNK = 64 << 20
 

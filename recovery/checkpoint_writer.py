@@ -14,11 +14,13 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import struct
 import tempfile
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 from .checkpoint_store import rank_file, rank_record, step_dir, step_name, tier_for
 from .slotfile import DTYPES, SlotView
@@ -107,7 +109,9 @@ def _write_file(view: SlotView, path: Path, head: bytes, spans: list[tuple[int, 
     the bytes are durable). Returns the file's CRC32; leaves nothing behind on failure."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        tmp.unlink(missing_ok=True)  # a leftover (or a planted link: unlink does not follow it)
+        # O_EXCL | O_NOFOLLOW: never write through a link someone put at the temporary name
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
             crc = _stream(fd, view, head, spans, step)
             os.fsync(fd)
@@ -138,8 +142,22 @@ def write_rank(view: SlotView, root: str | Path, *, rank: int, job: str, timelin
             "hotspare.step": str(step), "hotspare.job": job, "hotspare.run_id": run_id}
     head, spans = _st_header(h["tensors"], meta)
     tier = tier_for(root)
-    if not tier.local and not local_dir:  # an object store: stage on local disk first
-        local_dir = Path(tempfile.gettempdir()) / "hotspare-persist"
+    private = None
+    if not tier.local and not local_dir:  # an object store: stage on local disk first, in a
+        # directory of our own (0700): a shared, predictable /tmp path could be pre-created
+        # by another local user with links in it (security review F5)
+        local_dir = private = tempfile.mkdtemp(prefix="hotspare-persist-")
+    try:
+        return _write_and_upload(view, tier, root, local_dir, job=job, run_id=run_id, rank=rank, step=step,
+                                 head=head, spans=spans, timeline=timeline, world_size=world_size)
+    finally:
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
+
+
+def _write_and_upload(view: SlotView, tier: Any, root: str | Path, local_dir: str | Path | None, *, job: str,
+                      run_id: str, rank: int, step: int, head: bytes, spans: list[tuple[int, int]],
+                      timeline: int, world_size: int) -> dict:
     d = step_dir(Path(local_dir) / job / run_id if local_dir else Path(root), step)
     d.mkdir(parents=True, exist_ok=True)
     name = rank_file(rank)

@@ -54,7 +54,7 @@ __all__ = ["CheckpointError", "SlotView", "open_slot", "write_rank", "try_finish
 FORMAT = "hotspare-ckpt-1"
 
 #: a run's directory under the persist base: its run id (``20261203-154330-3fa2``)
-RUN_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]+$")
+RUN_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]+\Z")
 
 
 def try_finish(root: str | Path, step: int, world_size: int, job: str, run_id: str = "") -> bool:

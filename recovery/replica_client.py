@@ -1,8 +1,8 @@
 """The client side of the replica protocol: what a training process (or a tool) asks of the
 agents that hold replicas. Torch-free; the server is :class:`hotspare.agents.replica.ReplicaServer`.
 
-The wire field is called ``"rank"`` for compatibility with protocol ``HSP1``; it carries a
-*sid* (the seat's state id, see :class:`hotspare.orchestrator.store.Seat`).
+The wire field is called ``"rank"`` for compatibility with protocol ``HSP1`` (``HSP2`` keeps the
+name); it carries a *sid* (the seat's state id, see :class:`hotspare.orchestrator.store.Seat`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from .wire import Channel, WireError, validate_snapshot
 log = logging.getLogger("hotspare.replica")
 
 
-def fetch(host: str, port: int, secret: bytes, sid: int, step: int, timeout: float = 30) -> tuple[dict, bytes]:
+def fetch(host: str, port: int, secret: bytes, sid: int, step: int,
+          timeout: float = 30) -> tuple[dict, bytes | bytearray]:
     """Get and verify the snapshot of state id ``sid`` at step from one holder. Raises WireError if it is
-    missing, malformed or fails a checksum."""
+    missing, malformed, fails a checksum, or was changed on the way (the frame's HMAC)."""
     ch = Channel.client(host, port, secret, timeout=timeout)
     try:
         ch.send({"op": "get", "rank": sid, "step": step})
@@ -47,7 +48,7 @@ def list_steps(host: str, port: int, secret: bytes, sid: int, timeout: float = 5
 
 def fetch_first(
     holders: list[tuple[str, str, int]], secret: bytes, sid: int, step: int
-) -> tuple[dict, bytes, str]:
+) -> tuple[dict, bytes | bytearray, str]:
     """The first holder's copy that passes every check; each rejection is logged. Raises
     RuntimeError naming every holder and why, if none is usable."""
     errors = []

@@ -66,6 +66,22 @@ class Fenced(SystemExit):
         self.why = why
 
 
+def until_stored(write: Callable[[], object], *, deadline: float, beat: Callable[[], None] = lambda: None,
+                 pause: float = 0.5) -> None:
+    """``write()`` to etcd, retried through an outage until ``deadline`` (monotonic), beating
+    meanwhile; the last StoreError is raised if etcd never came back."""
+    while True:
+        try:
+            write()
+            return
+        except StoreError:
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("etcd unavailable while writing the done mark; retrying")
+            beat()
+            time.sleep(pause)
+
+
 class Session:
     """One rank's training session (see the module docstring).
 
@@ -289,7 +305,9 @@ class Session:
                           rank=self.rank, epoch=self.epoch)
         except StoreError:
             pass
-        self.js.mark_done(self.rank, self.epoch, total)
+        # an etcd hiccup now must not turn a finished rank into a failure (security review F21)
+        until_stored(lambda: self.js.mark_done(self.rank, self.epoch, total),
+                     deadline=time.monotonic() + max(60.0, 10 * self.spec.lease_ttl), beat=self._beat)
 
     def _beat(self, step: int | None = None) -> None:
         self._beat_fn(self.committed if step is None else step)

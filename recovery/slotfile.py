@@ -61,7 +61,7 @@ class SlotDir:
 
     (The ``rank`` spelling predates sids and stays: the files are read across versions.)"""
 
-    SLOT_RE = re.compile(r"^rank(\d+)\.(slot|point)(\d+)$")
+    SLOT_RE = re.compile(r"^rank(\d+)\.(slot|point)(\d+)\Z")
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)

@@ -168,6 +168,11 @@ class ModuleState:
         missing = set(live) - set(tensors)
         if missing:
             raise KeyError(f"snapshot lacks {sorted(missing)[:5]} of the model")
+        wrong = [f"{k}: {tuple(tensors[k].shape)} {tensors[k].dtype} for {tuple(t.shape)} {t.dtype}"
+                 for k, t in live.items() if tensors[k].shape != t.shape or tensors[k].dtype != t.dtype]
+        if wrong:  # copy_ would broadcast and cast without a word: never restore another model
+            raise ValueError(f"the snapshot is of another model: {len(wrong)} tensor(s) differ in shape or dtype, "
+                             f"e.g. {'; '.join(wrong[:3])}")
         with torch.no_grad():
             for k, t in live.items():
                 t.copy_(tensors[k])

@@ -1,14 +1,27 @@
-"""Replica wire protocol: authenticated, checksummed frames; never pickle.
+"""Replica wire protocol: authenticated frames, every byte under HMAC-SHA256; never pickle.
 
 Connection: mutual challenge-response with the job's secret (HMAC-SHA256 over a fresh
 nonce each way), so a stranger on the port is refused before a single frame is read.
 
-Frame:  b"HSF1" | u32 header_len | u64 body_len | 32-byte HMAC | header JSON | body
+Frame (``HSF2``)::
 
-The HMAC covers the connection's nonces, a per-direction sequence number and the header,
-so frames cannot be forged or replayed. The header carries a CRC32 per tensor over its
-bytes in the body; a frame whose checksum, lengths, tensor table or HMAC is wrong raises
-:class:`WireError` and nothing of it is used. No torch import here: agents use it too.
+    b"HSF2" | u32 header_len | u64 body_len | 32-byte header MAC | header JSON | body | 32-byte frame MAC
+
+Both MACs are HMAC-SHA256 with the job secret over the connection's nonces, the direction, a
+per-direction sequence number, the frame's first 16 bytes (magic and both lengths) and the
+header; the *frame* MAC also over every byte of the body. The header MAC lets a receiver
+refuse a forged or replayed header (and the lengths it claims) before reading a body; the frame
+MAC, checked after the last byte and before :meth:`Channel.recv` returns, means no byte of a
+body altered on the way (the tensors, the padding between them, anything) is ever handed on.
+A large body is hashed by a second thread while the socket moves it.
+A frame whose lengths, header or MACs are wrong raises :class:`WireError` and nothing of it
+is used. The header of a snapshot also carries a CRC32 per tensor (:func:`validate_snapshot`):
+no longer a defence (CRC32 is forgeable; the MAC is the defence), it is the end-to-end check of
+a replica *at rest*, which a holder serves from its memory under its own, fresh MAC.
+No torch import here: agents use it too.
+
+Protocol ``HSP2`` (this frame); ``HSP1`` (header MAC only, over the body's length but not its
+bytes: finding F3 of the security review) is refused at the handshake.
 """
 
 from __future__ import annotations
@@ -19,15 +32,22 @@ import json
 import os
 import socket
 import struct
+import threading
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .slotfile import DTYPES
 
-MAGIC = b"HSF1"
-HELLO = b"HSP1"
-_HDR = "<4sIQ32s"
+MAGIC = b"HSF2"
+HELLO = b"HSP2"
+_HDR = "<4sIQ32s"  # magic, header_len, body_len, header MAC
+_FIXED = "<4sIQ"  # the part of it the MACs cover
 HDR_SIZE = struct.calcsize(_HDR)
+TAG_SIZE = 32  # the frame MAC after the body
+#: bodies are received (and hashed, by a second thread) in pieces of this size; smaller ones in one
+CHUNK = 4 << 20
+_PIECE = 1 << 20  # what a sender hashes at a time (see _feed)
 MAX_HEADER = 16 * 1024 * 1024
 MAX_BODY = 1 << 40
 #: bytes per element of each snapshot dtype (derived from the one table, slotfile.DTYPES)
@@ -46,16 +66,61 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     while got < n:
         want = min(n - got, 16 << 20)
         buf = bytearray(want)
-        view = memoryview(buf)
-        have = 0
-        while have < want:
-            k = sock.recv_into(view[have:], want - have)
-            if k == 0:
-                raise WireError(f"peer closed the connection ({got + have} of {n} bytes read)")
-            have += k
+        _fill(sock, memoryview(buf), got, n)
         chunks.append(buf)
         got += want
     return b"".join(chunks) if len(chunks) != 1 else bytes(chunks[0])
+
+
+def _fill(sock: socket.socket, view: memoryview, got: int, n: int) -> None:
+    """Fill ``view`` from the socket (``got`` of the ``n`` bytes expected already read)."""
+    have, want = 0, len(view)
+    while have < want:
+        k = sock.recv_into(view[have:], want - have)
+        if k == 0:
+            raise WireError(f"peer closed the connection ({got + have} of {n} bytes read)")
+        have += k
+
+
+def _recv_body(sock: socket.socket, n: int, mac: Any) -> bytearray:
+    """The n-byte body, fed to ``mac`` as it arrives. Memory grows with what actually
+    arrives (CHUNK at a time), as in :func:`_recv_exact`. A large body comes in through two
+    CHUNK-sized buffers in turn: while one is hashed by a second thread (hashlib lets go of the
+    GIL) and copied onto the body, the socket fills the other; both readers find it in cache."""
+    if n <= CHUNK:
+        body = bytearray(n)
+        _fill(sock, memoryview(body), 0, n)
+        mac.update(body)
+        return body
+    body = bytearray()
+    bufs = (memoryview(bytearray(CHUNK)), memoryview(bytearray(CHUNK)))
+    hashing: list[Future | None] = [None, None]
+    with ThreadPoolExecutor(1, thread_name_prefix="wire-mac") as hasher:  # one thread: in order
+        i = 0
+        while len(body) < n:
+            if (f := hashing[i]) is not None:
+                f.result()  # that buffer's last piece is hashed: it may be refilled
+            view = bufs[i][: min(CHUNK, n - len(body))]
+            _fill(sock, view, len(body), n)
+            hashing[i] = hasher.submit(mac.update, view)
+            body += view
+            i ^= 1
+        for f in hashing:
+            if f is not None:
+                f.result()
+    return body
+
+
+def _feed(mac: Any, data: bytes | bytearray | memoryview) -> None:
+    """``mac.update(data)`` for a large buffer, copied 1 MiB at a time into a small one first:
+    SHA-256 runs ~40 % faster on data in cache than on data streaming in from memory (1.67 vs
+    1.16 GB/s on the development machine), and the copy costs a tenth of that."""
+    view = memoryview(data)
+    piece = memoryview(bytearray(min(_PIECE, len(view))))
+    for i in range(0, len(view), _PIECE):
+        n = min(_PIECE, len(view) - i)
+        piece[:n] = view[i : i + n]
+        mac.update(piece[:n])
 
 
 class Channel:
@@ -91,6 +156,9 @@ class Channel:
         try:
             hello = _recv_exact(sock, 20)
             if hello[:4] != HELLO:
+                if hello[:3] == HELLO[:3]:
+                    raise WireError(f"{host}:{port} speaks replica protocol {hello[:4].decode(errors='replace')}, "
+                                    f"not {HELLO.decode()} (another hotspare version)")
                 raise WireError(f"{host}:{port} is not a hotspare replica server")
             nonce = hello[4:]
             client_nonce = os.urandom(16)
@@ -104,29 +172,45 @@ class Channel:
         return cls(sock, secret, nonce + client_nonce)
 
     # -- frames ---------------------------------------------------------------------------
-    def _mac(self, direction: bytes, seq: int, header: bytes, body_len: int) -> bytes:
-        msg = self.key + direction + struct.pack("<QQ", seq, body_len) + header
-        return hmac.new(self.secret, msg, hashlib.sha256).digest()
+    def _macs(self, sending: bool, seq: int, fixed: bytes, header: bytes) -> tuple[bytes, Any]:
+        """(the header MAC, the frame MAC still to be fed the body) of frame ``seq`` whose first
+        16 bytes are ``fixed``, in this connection and direction."""
+        msg = self.key + self._dir(sending) + struct.pack("<Q", seq) + fixed + header
+        head = hmac.new(self.secret, b"HDR:" + msg, hashlib.sha256).digest()
+        return head, hmac.new(self.secret, b"FRM:" + msg, hashlib.sha256)
 
     def _dir(self, sending: bool) -> bytes:
         return b"s2c" if self.is_server == sending else b"c2s"
 
-    def send(self, header: dict[str, Any], body: bytes | memoryview = b"") -> None:
+    def send(self, header: dict[str, Any], body: bytes | bytearray | memoryview = b"") -> None:
         hb = json.dumps(header, separators=(",", ":")).encode()
-        mac = self._mac(self._dir(True), self.send_seq, hb, len(body))
+        fixed = struct.pack(_FIXED, MAGIC, len(hb), len(body))
+        head, mac = self._macs(True, self.send_seq, fixed, hb)
         self.send_seq += 1
-        self.sock.sendall(struct.pack(_HDR, MAGIC, len(hb), len(body), mac) + hb)
-        if len(body):
+        if len(body) <= CHUNK:
+            mac.update(body)
+            self.sock.sendall(b"".join((fixed, head, hb, body, mac.digest())))
+            return
+        self.sock.sendall(fixed + head + hb)
+        hashing = threading.Thread(target=_feed, args=(mac, body), name="wire-mac", daemon=True)
+        hashing.start()  # hashlib lets go of the GIL: the body is hashed while it is sent
+        try:
             self.sock.sendall(body)
+        finally:
+            hashing.join()
+        self.sock.sendall(mac.digest())
 
-    def recv(self) -> tuple[dict[str, Any], bytes]:
-        magic, hlen, blen, mac = struct.unpack(_HDR, _recv_exact(self.sock, HDR_SIZE))
+    def recv(self) -> tuple[dict[str, Any], bytes | bytearray]:
+        """The next frame's header and body, once every byte of it passed the frame MAC."""
+        raw = _recv_exact(self.sock, HDR_SIZE)
+        magic, hlen, blen, head = struct.unpack(_HDR, raw)
         if magic != MAGIC:
             raise WireError(f"bad frame magic {magic!r}")
         if hlen > MAX_HEADER or blen > MAX_BODY:
             raise WireError(f"frame too large (header {hlen} B, body {blen} B)")
         hb = _recv_exact(self.sock, hlen)
-        if not hmac.compare_digest(mac, self._mac(self._dir(False), self.recv_seq, hb, blen)):
+        want, mac = self._macs(False, self.recv_seq, raw[: HDR_SIZE - 32], hb)
+        if not hmac.compare_digest(head, want):
             raise WireError("frame failed its HMAC (forged, replayed or corrupted header)")
         self.recv_seq += 1
         try:
@@ -135,7 +219,10 @@ class Channel:
             raise WireError(f"frame header is not JSON: {e}") from e
         if not isinstance(header, dict):
             raise WireError("frame header must be a JSON object")
-        body = _recv_exact(self.sock, blen) if blen else b""
+        body = _recv_body(self.sock, blen, mac) if blen else b""
+        if not hmac.compare_digest(_recv_exact(self.sock, TAG_SIZE), mac.digest()):
+            raise WireError(f"frame failed its HMAC over the body (its {blen} bytes were altered or corrupted "
+                            "on the way); nothing of it is used")
         return header, body
 
     def close(self) -> None:
@@ -151,8 +238,12 @@ def checksums(tensors: list[dict], data: bytes | memoryview) -> list[int]:
     return [zlib.crc32(mv[t["offset"] : t["offset"] + t["nbytes"]]) for t in tensors]
 
 
-def validate_snapshot(header: dict, body: bytes) -> None:
-    """Check a received snapshot's tensor table and per-tensor CRC32 against its body."""
+def validate_snapshot(header: dict, body: bytes | bytearray | memoryview) -> None:
+    """Check a received snapshot's tensor table and per-tensor CRC32 against its body.
+
+    The CRC32s guard against damage, not against an attacker (the frame MAC does that): they
+    were computed where the snapshot was taken, so they also catch a replica damaged while a
+    holder kept it."""
     tensors = header.get("tensors")
     crcs = header.get("crc")
     if not isinstance(tensors, list) or not isinstance(crcs, list) or len(crcs) != len(tensors):

@@ -54,7 +54,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     node = args.node or _default_node()
     agent = Agent(connect_patiently(args, eps, args.wait), args.job, node, role="spare" if args.spare else "active",
                   slots=args.slots, wait_for_job=args.wait, host=args.host, run_id=args.run_id,
-                  etcd_outage_limit=args.etcd_outage_limit, zygote=args.zygote)
+                  etcd_outage_limit=args.etcd_outage_limit, zygote=args.zygote, spec_digest=args.spec_sha256)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     return agent.run()
 
@@ -140,7 +140,15 @@ def _host_address() -> str:
 def cmd_etcd(args: argparse.Namespace) -> int:
     """A single-member etcd in the foreground (inside a Slurm allocation, a container, ...)."""
     host = args.host or _host_address()
-    srv = EtcdServer(Path(args.data_dir), args.port or free_port(), free_port(), host=host)
+    tls = None
+    if args.tls_dir:  # TLS with client certificates, made for this job (hotspare.orchestrator.etcd_tls)
+        from ..etcd_tls import PkiError, make
+
+        try:
+            tls = make(args.tls_dir, host)
+        except (PkiError, OSError) as e:
+            raise CliError(f"etcd's certificates: {e}") from e
+    srv = EtcdServer(Path(args.data_dir), args.port or free_port(), free_port(), host=host, tls=tls)
     srv.start(log_path=Path(args.log) if args.log else None)
     try:
         srv.wait_ready()
@@ -183,6 +191,9 @@ def _agent_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the job to be submitted")
     sp.add_argument("--run-id", help="serve only this submission of the job (launchers pass it; default: "
                     "whichever the job's spec names); the agent leaves when the job is submitted again")
+    sp.add_argument("--spec-sha256", metavar="HEX", default=os.environ.get("HOTSPARE_SPEC_SHA256") or None,
+                    help="the digest of the spec as submitted (launchers pass it; default: $HOTSPARE_SPEC_SHA256): "
+                    "the agent refuses a spec in etcd that differs, i.e. one changed by someone who can write etcd")
     sp.add_argument("--etcd-outage-limit", type=float, metavar="SECONDS",
                     help="leave (stopping the workers) once etcd has been unreachable this long "
                     "(default: max(60, 10 x the spec's lease_ttl))")
@@ -209,6 +220,9 @@ def _etcd_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--host", help="address to advertise (default: $HOTSPARE_HOST, else this host's address)")
     sp.add_argument("--port", type=int, help="client port (default: a free one)")
     sp.add_argument("--log", help="etcd's log file")
+    sp.add_argument("--tls-dir", metavar="DIR",
+                    help="serve TLS and require client certificates, all made for this etcd in DIR (0700): "
+                    "clients use DIR/ca.crt, DIR/client.crt, DIR/client.key (the Slurm backend does this)")
 
 
 EMBEDDED = [

@@ -22,12 +22,14 @@ from ..spec import JobSpec
 from ..store import (
     ENV_OPTIONS,
     PASSWORD_FILE_ENV,
+    JobKeys,
     JobStore,
     Store,
     StoreError,
     connect_error,
     store_options_from_env,
 )
+from ..store.client import ROOT
 
 
 class CliError(Exception):
@@ -146,16 +148,24 @@ def endpoints(args: argparse.Namespace, spec_endpoints: tuple[str, ...] = (), st
     return [c.endpoint]
 
 
-def connect(args: argparse.Namespace, eps: list[str]) -> Store:
-    """A checked connection with this process's TLS/auth settings."""
+def connect(args: argparse.Namespace, eps: list[str], job: str | None = None) -> Store:
+    """A checked connection with this process's TLS/auth settings. A command about one job
+    (``job``, else ``args.job``) checks it with a read inside that job's keys, so an etcd role
+    limited to the job's prefixes is enough (docs/security.md)."""
     try:
         opts = etcd_settings(args).options()
     except ValueError as e:
         raise CliError(str(e)) from e
+    job = job or getattr(args, "job", None)
+    rec = launched(args, job)
+    if rec is not None and eps == record_endpoints(rec):
+        # the etcd a job brought along (Slurm) serves TLS with certificates made for it
+        for k, v in (rec.get("info", {}).get("etcd_tls") or {}).items():
+            opts[k] = opts.get(k) or v
     st = None
     try:
         st = Store(eps, timeout=5, **opts)
-        st.ping()
+        st.ping(JobKeys(job).spec if job else ROOT)
     except (ValueError, StoreError) as e:
         if st is not None:
             st.close()

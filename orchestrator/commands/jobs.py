@@ -62,7 +62,7 @@ def _register(args: argparse.Namespace, spec: JobSpec, backend: Launcher) -> tup
     (it then registers the job from inside the cluster): (JobStore or None, endpoints)."""
     if spec.backend == "local" or _explicit_endpoints(args, spec) or not backend.brings_etcd:
         eps = endpoints(args, spec.etcd.endpoints, start=True)
-        js = JobStore(connect(args, eps), spec.name)
+        js = JobStore(connect(args, eps, spec.name), spec.name)
         try:
             js.submit(spec, secrets.token_bytes(32))
         except Conflict as e:
@@ -129,7 +129,7 @@ def _wait_for_etcd(args: argparse.Namespace, spec: JobSpec, out: TextIO,
         eps = record_endpoints(rec)
         if eps:
             try:
-                js = JobStore(connect(args, eps), spec.name)
+                js = JobStore(connect(args, eps, spec.name), spec.name)
                 if js.exists():
                     return js, eps
             except (CliError, StoreError):

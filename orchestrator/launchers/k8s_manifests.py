@@ -25,6 +25,7 @@ DEFAULT_SHM = "2Gi"
 IMAGE_ROOT = "/opt/hotspare"
 DATA_ROOT = "/var/lib/hotspare"
 SPEC_DIR = "/etc/hotspare"
+SECRET_DIR = "/etc/hotspare-secret"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: ``hotspare-<job>-etcd`` must fit a StatefulSet name (52: its pods' revision label adds 11).
 MAX_JOB_NAME = 38
@@ -33,7 +34,7 @@ MAX_JOB_NAME = 38
 #: stops an endless crash loop (etcd gone for good), so it is generous.
 BACKOFF_LIMIT = 100
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-_QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[numkMGTPE]|[KMGTPE]i)?$")
+_QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[numkMGTPE]|[KMGTPE]i)?\Z")
 # an agent terminated by Kubernetes (drain, preemption, cancel) exits 143, not 0: a pod that
 # ended 0 would count as a completed index and never be replaced
 _AGENT_WRAPPER = ('"$@" & pid=$!; trap \'kill -TERM "$pid"; wait "$pid"; exit 143\' TERM INT; '
@@ -123,23 +124,44 @@ def _meta(spec: JobSpec, name: str, role: str | None = None) -> dict:
     return {"name": f"{prefix(job)}{name}", "namespace": namespace(spec), "labels": labels(job, role)}
 
 
+#: the image's unprivileged user (docker/Dockerfile: `USER 10001`); every pod runs as it
+RUN_AS = 10001
+
+
 def _hardened(container: dict) -> dict:
-    """No capabilities, no privilege escalation: nothing in hotspare needs them (it signals
-    only its own child processes)."""
-    container["securityContext"] = {"allowPrivilegeEscalation": False,
+    """No capabilities, no privilege escalation, a read-only root filesystem: nothing in
+    hotspare needs them (it signals only its own child processes). What it writes goes to
+    volumes: /tmp (HOME too: torch's caches), /dev/shm, the output and etcd's data."""
+    container["securityContext"] = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                     "capabilities": {"drop": ["ALL"]}}
+    container.setdefault("volumeMounts", []).append({"name": "tmp", "mountPath": "/tmp"})
+    container.setdefault("env", []).append({"name": "HOME", "value": "/tmp"})
     return container
 
 
 def _pod(spec: JobSpec, containers: list[dict], init: list[dict] | None = None, **fields: object) -> dict:
     """Pod spec fields every role shares: the job's ServiceAccount, without an API token."""
+    volumes = [{"name": "tmp", "emptyDir": {}}, *fields.pop("volumes", [])]  # type: ignore[misc]
     pod: dict = {"serviceAccountName": prefix(spec.name), "automountServiceAccountToken": False,
-           "enableServiceLinks": False, "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-           **fields}
+                 "enableServiceLinks": False,
+                 "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}, "runAsNonRoot": True,
+                                     "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS},
+                 **fields, "volumes": volumes}
     if init:
-        pod["initContainers"] = init
+        pod["initContainers"] = [_hardened(c) for c in init]
     pod["containers"] = containers
     return pod
+
+
+def _network_policy(spec: JobSpec) -> dict:
+    """Only the job's own pods may connect to its pods: etcd (the job's keys, its secret and its
+    spec), the agents' replica servers and the workers' collectives. Without it any pod of any
+    namespace could reach the in-cluster etcd, which has no auth (security review F1).
+    Egress stays open (an external etcd, object stores, the image's registry)."""
+    job = spec.name
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(spec, "-ingress"),
+            "spec": {"podSelector": {"matchLabels": labels(job)}, "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [{"podSelector": {"matchLabels": labels(job)}}]}]}}
 
 
 def _image(spec: JobSpec) -> dict:
@@ -210,10 +232,11 @@ def _controller(spec: JobSpec, endpoints: list[str], in_cluster_etcd: bool) -> d
         "name": "controller", **_image(spec),
         "command": ["hotspare", "controller", "--job", job, "--etcd", ",".join(endpoints),
                     "--register", f"{SPEC_DIR}/spec.json"],
-        "env": [{"name": "HOTSPARE_JOB_SECRET", "valueFrom": {"secretKeyRef": {
-            "name": f"{prefix(job)}-secret", "key": "secret"}}}],
+        # the secret as a file, never an environment variable (those show in `describe` and dumps)
+        "env": [{"name": "HOTSPARE_JOB_SECRET_FILE", "value": f"{SECRET_DIR}/secret"}],
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
-        "volumeMounts": [{"name": "spec", "mountPath": SPEC_DIR, "readOnly": True}],
+        "volumeMounts": [{"name": "spec", "mountPath": SPEC_DIR, "readOnly": True},
+                         {"name": "secret", "mountPath": SECRET_DIR, "readOnly": True}],
     })
     # two controllers on one Kubernetes node would be lost together: spread them if possible
     spread = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
@@ -222,7 +245,8 @@ def _controller(spec: JobSpec, endpoints: list[str], in_cluster_etcd: bool) -> d
     init = [_wait_for_etcd(spec, endpoints)] if in_cluster_etcd else None
     pod = _pod(spec, [container], init, terminationGracePeriodSeconds=5, affinity=spread,
                volumes=[{"name": "spec", "configMap": {"name": f"{prefix(job)}-spec",
-                                                       "items": [{"key": "spec.json", "path": "spec.json"}]}}])
+                                                       "items": [{"key": "spec.json", "path": "spec.json"}]}},
+                        {"name": "secret", "secret": {"secretName": f"{prefix(job)}-secret", "defaultMode": 0o400}}])
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(spec, "-controller", "controller"),
             "spec": {"replicas": 2, "selector": {"matchLabels": labels(job, "controller")},
                      "template": {"metadata": {"labels": labels(job, "controller")}, "spec": pod}}}
@@ -250,7 +274,9 @@ def _agents(spec: JobSpec, endpoints: list[str], pool: str, count: int, in_clust
     job = spec.name
     k = spec.kubernetes
     args = ["hotspare", "agent", "--job", job, "--etcd", ",".join(endpoints),
-            "--node", "$(POD_NAME)", "--host", "$(POD_IP)", "--wait", "600"]
+            "--node", "$(POD_NAME)", "--host", "$(POD_IP)", "--wait", "600",
+            # the spec the controller registers from the ConfigMap: agents refuse any other
+            "--spec-sha256", JobSpec.from_dict(pod_spec(spec, endpoints)).digest()]
     if pool == "spare":
         args.append("--spare")
     container = _hardened({
@@ -294,7 +320,7 @@ def manifests(spec: JobSpec, endpoints: list[str], secret_hex: str) -> list[dict
     _check(spec)
     in_cluster = not endpoints
     eps = [etcd_url(spec.name, namespace(spec))] if in_cluster else list(endpoints)
-    docs = [_service_account(spec), _secret(spec, secret_hex), _config_map(spec, eps)]
+    docs = [_service_account(spec), _network_policy(spec), _secret(spec, secret_hex), _config_map(spec, eps)]
     if in_cluster:
         docs += _etcd(spec)
     docs += [_agents_service(spec), _controller(spec, eps, in_cluster),

@@ -127,6 +127,7 @@ _KINDS = {
     "StatefulSet": ("AppsV1Api", "stateful_set"), "Service": ("CoreV1Api", "service"),
     "ConfigMap": ("CoreV1Api", "config_map"), "Secret": ("CoreV1Api", "secret"),
     "ServiceAccount": ("CoreV1Api", "service_account"),
+    "NetworkPolicy": ("NetworkingV1Api", "network_policy"),  # last: the pods are gone by then
 }
 
 
@@ -264,7 +265,7 @@ class KubernetesLauncher:
     def cancel(self, info: dict) -> str | None:
         """Delete every object labelled with the job (pods go with their Jobs/ReplicaSets)."""
         ns, sel = info["namespace"], info["selector"]
-        by_hand = f"kubectl delete -n {ns} job,deploy,sts,svc,cm,secret,sa -l {sel}"
+        by_hand = f"kubectl delete -n {ns} job,deploy,sts,svc,cm,secret,sa,netpol -l {sel}"
         try:
             api, _ = _api(info.get("context"), timeout_retries=0)
             from kubernetes import client

@@ -28,11 +28,13 @@ from ..util import atomic_write, pid_alive
 
 
 def agent_command(job: str, node: str, endpoints: list[str], *, spare: bool = False,
-                  slots: int | None = None, run_id: str = "", zygote: str = "") -> list[str]:
+                  slots: int | None = None, run_id: str = "", zygote: str = "", spec_sha256: str = "") -> list[str]:
     cmd = [sys.executable, "-m", "hotspare.orchestrator.cli", "agent", "--job", job, "--node", node,
            "--etcd", ",".join(endpoints)]
     if run_id:
         cmd += ["--run-id", run_id]
+    if spec_sha256:  # the agent refuses a spec in etcd that is not this one
+        cmd += ["--spec-sha256", spec_sha256]
     if zygote:
         cmd += ["--zygote", zygote]
     if spare:
@@ -45,13 +47,14 @@ def agent_command(job: str, node: str, endpoints: list[str], *, spare: bool = Fa
 def start_agent(
     job: str, node: str, endpoints: list[str], log_dir: Path, *, spare: bool = False,
     slots: int | None = None, extra_env: dict[str, str] | None = None, run_id: str = "", zygote: str = "",
+    spec_sha256: str = "",
 ) -> subprocess.Popen:
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.update(extra_env or {})
     with open(log_dir / f"agent-{node}.log", "ab") as log:
         return subprocess.Popen(agent_command(job, node, endpoints, spare=spare, slots=slots, run_id=run_id,
-                                              zygote=zygote),
+                                              zygote=zygote, spec_sha256=spec_sha256),
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
 
@@ -79,7 +82,8 @@ def start_agents_in_zygote(spec: JobSpec, endpoints: list[str], log_dir: Path) -
     try:
         for node, spare in _nodes(spec):
             with open(log_dir / f"agent-{node}.log", "ab") as log:
-                cmd = agent_command(spec.name, node, endpoints, spare=spare, run_id=spec.run_id, zygote=path)
+                cmd = agent_command(spec.name, node, endpoints, spare=spare, run_id=spec.run_id, zygote=path,
+                                    spec_sha256=spec.digest())
                 agents[node] = z.run(cmd, dict(os.environ), os.getcwd(), log.fileno()).pid
         return agents
     except OSError as e:
@@ -100,14 +104,16 @@ class LocalLauncher:
 
     def render(self, spec: JobSpec, endpoints: list[str]) -> str:
         eps = endpoints or ["<embedded etcd>"]
-        return "\n".join(shlex.join(agent_command(spec.name, n, eps, spare=s, run_id=spec.run_id)) + " &"
+        return "\n".join(shlex.join(agent_command(spec.name, n, eps, spare=s, run_id=spec.run_id,
+                                                  spec_sha256=spec.digest())) + " &"
                          for n, s in _nodes(spec))
 
     def launch(self, spec: JobSpec, endpoints: list[str]) -> dict:
         log_dir = spec.log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         agents = start_agents_in_zygote(spec, endpoints, log_dir) or {
-            n: start_agent(spec.name, n, endpoints, log_dir, spare=s, run_id=spec.run_id).pid for n, s in _nodes(spec)}
+            n: start_agent(spec.name, n, endpoints, log_dir, spare=s, run_id=spec.run_id,
+                           spec_sha256=spec.digest()).pid for n, s in _nodes(spec)}
         (Path(spec.output_dir) / "agents.json").write_text(json.dumps(agents, indent=1))
         _record(default_state_dir(), {"job": spec.name, "run_id": spec.run_id, "endpoints": endpoints,
                                       "agents": agents, "time": time.time()})

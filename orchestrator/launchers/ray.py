@@ -95,10 +95,12 @@ def _node_name(node_id: str, taken: set[str]) -> str:
     return f"ray-{node_id[:n]}"
 
 
-def agent_args(job: str, node: str, endpoints: list[str], host: str, spare: bool) -> list[str]:
+def agent_args(job: str, node: str, endpoints: list[str], host: str, spare: bool, spec_sha256: str = "") -> list[str]:
     """The agent's command line after the interpreter (each node runs its own Python)."""
     args = ["-m", "hotspare.orchestrator.cli", "agent", "--job", job, "--node", node,
             "--etcd", ",".join(endpoints), "--host", host]
+    if spec_sha256:  # the agent refuses a spec in etcd that is not the submitted one
+        args += ["--spec-sha256", spec_sha256]
     return args + (["--spare"] if spare else [])
 
 
@@ -305,7 +307,7 @@ class RayLauncher:
         ]
         for role in ("active", "spare"):
             if roles.count(role):
-                args = agent_args(job, node, eps, "<node ip>", role == "spare")
+                args = agent_args(job, node, eps, "<node ip>", role == "spare", spec.digest())
                 lines.append(f"{roles.count(role)} x {role}: actor {_actor_name(job, node)}\n"
                              f"  python {shlex.join(args)}")
         lines.append(f"controller: actor {_actor_name(job, 'controller')} (num_cpus=0, on the head "
@@ -353,7 +355,7 @@ class RayLauncher:
         agents: dict[str, dict] = {}
         for role, n in zip(_roles(spec), chosen, strict=True):
             node = _node_name(n["NodeID"], set(agents))
-            args = agent_args(job, node, endpoints, n["NodeManagerAddress"], role == "spare")
+            args = agent_args(job, node, endpoints, n["NodeManagerAddress"], role == "spare", spec.digest())
             handles[node] = actor.options(
                 name=_actor_name(job, node), namespace=namespace, lifetime="detached",
                 num_cpus=cpus, num_gpus=gpus, resources=resources, max_restarts=0,

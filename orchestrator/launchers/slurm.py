@@ -35,6 +35,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..etcd_tls import client_options
 from ..spec import JobSpec
 from . import LEFT_BEHIND, LaunchError
 
@@ -50,7 +51,7 @@ def _q(s: str) -> str:
 def files(spec: JobSpec) -> dict[str, Path]:
     d = Path(spec.output_dir) / "slurm"
     return {"dir": d, "script": d / "job.sbatch", "spec": d / "spec.json", "secret": d / "secret",
-            "endpoints": d / "etcd.endpoints"}
+            "endpoints": d / "etcd.endpoints", "tls": d / "etcd-tls"}
 
 
 def script(spec: JobSpec, endpoints: list[str]) -> str:
@@ -94,6 +95,7 @@ def _prologue(spec: JobSpec) -> list[str]:
         "",
         f"HOTSPARE=({_q(python)} -m hotspare.orchestrator.cli)",
         f"JOB={_q(spec.name)}",
+        f"SPEC_SHA256={spec.digest()}  # agents refuse a spec in etcd that is not this one",
         f"OUT={_q(spec.output_dir)}",
         f"N_ACTIVE={spec.nodes}",
         'mkdir -p "$OUT/logs"',
@@ -126,12 +128,16 @@ def _own_etcd(f: dict[str, Path]) -> list[str]:
         "# 1. etcd for this job on the first node; its URL goes to the shared output dir",
         f"rm -f {_q(f['endpoints'])}",
         'ETCD_DATA=$(mktemp -d "${TMPDIR:-/tmp}/hotspare-$JOB-etcd.XXXXXX")  # fresh: never an old job\'s state',
-        '"${HOTSPARE[@]}" etcd --data-dir "$ETCD_DATA" \\',
+        "#    TLS with client certificates made for this job (in a 0700 dir of the shared output):",
+        "#    it listens on the cluster network, and its keys hold the job's secret and spec",
+        f"TLS={_q(f['tls'])}",
+        '"${HOTSPARE[@]}" etcd --data-dir "$ETCD_DATA" --tls-dir "$TLS" \\',
         f"    --endpoints-file {_q(f['endpoints'])} --log \"$OUT/logs/etcd.log\" &",
         "etcd_pid=$!",
         f"for _ in $(seq 300); do [ -s {_q(f['endpoints'])} ] && break; sleep 0.1; done",
         f"ETCD=$(cat {_q(f['endpoints'])} 2>/dev/null) || {{ echo \"hotspare: etcd did not start "
         "(see $OUT/logs/etcd.log)\" >&2; exit 1; }",
+        'export HOTSPARE_ETCD_CA="$TLS/ca.crt" HOTSPARE_ETCD_CERT="$TLS/client.crt" HOTSPARE_ETCD_KEY="$TLS/client.key"',
     ]
 
 
@@ -151,7 +157,8 @@ def _control_plane_and_agents(f: dict[str, Path]) -> list[str]:
         '  srun --nodes=1 --ntasks=1 --nodelist="$node" --overlap --kill-on-bad-exit=0 \\',
         '       --output="$OUT/logs/agent-$node.log" \\',
         "       bash -c 'exec \"$@\" --host \"${HOTSPARE_HOST:-$(hostname -I 2>/dev/null | cut -d\" \" -f1)}\"' _ \\",
-        '       "${HOTSPARE[@]}" agent --job "$JOB" --etcd "$ETCD" --node "$node" --wait 300 ${role[@]+"${role[@]}"} &',
+        '       "${HOTSPARE[@]}" agent --job "$JOB" --etcd "$ETCD" --node "$node" --wait 300 \\',
+        '       --spec-sha256 "$SPEC_SHA256" ${role[@]+"${role[@]}"} &',
         "  agents+=($!)",
         "done",
         "",
@@ -161,6 +168,21 @@ def _control_plane_and_agents(f: dict[str, Path]) -> list[str]:
         "exit $rc  # cleanup (above) writes final-status.json",
         "",
     ]
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` with mode 0600 whatever was there before: a new file
+    (O_EXCL, never through a link), then renamed over the old one. Opening the old file with
+    O_TRUNC kept its mode, 0644 say (security review F14)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
 
 
 def _run(cmd: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
@@ -179,13 +201,18 @@ class SlurmLauncher:
                 + script(spec, endpoints))
 
     def launch(self, spec: JobSpec, endpoints: list[str]) -> dict:
+        if os.environ.get("HOTSPARE_ETCD_PASSWORD") and not os.environ.get("HOTSPARE_ETCD_PASSWORD_FILE"):
+            # sbatch hands the submitting environment to the job: slurmctld's state (and the
+            # accounting database, with job_env on) would keep the password (review F19)
+            raise LaunchError("the etcd password would be stored with the Slurm job (sbatch passes the "
+                              "environment on): give it as a file readable on every node instead "
+                              "($HOTSPARE_ETCD_PASSWORD_FILE or --etcd-password-file)")
         f = files(spec)
         f["dir"].mkdir(parents=True, exist_ok=True)
+        os.chmod(f["dir"], 0o700)  # the secret, the spec and the script: the submitter's only
         spec.log_dir.mkdir(parents=True, exist_ok=True)
         f["spec"].write_text(json.dumps(spec.to_dict(), indent=1, sort_keys=True))
-        fd = os.open(f["secret"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(secrets.token_hex(32))
+        write_private(f["secret"], secrets.token_hex(32))
         f["endpoints"].unlink(missing_ok=True)
         for left in LEFT_BEHIND:  # an earlier run's outcome must not answer for this one
             (Path(spec.output_dir) / left).unlink(missing_ok=True)
@@ -202,6 +229,7 @@ class SlurmLauncher:
                 "summary": f"Slurm job {job_id}"}
         if not endpoints:
             info["endpoints_file"] = str(f["endpoints"])
+            info["etcd_tls"] = client_options(f["tls"])  # how the CLI reaches that etcd from here
         return info
 
     def state(self, info: dict) -> tuple[str, str]:

@@ -386,10 +386,12 @@ class Store:
         ]
         return kvs, resp.header.revision
 
-    def ping(self) -> None:
-        """One read of hotspare's root key: proves the connection, the credentials and the
-        permission to read (etcd answers a status request even without credentials)."""
-        self._call(f"get {ROOT}", lambda: self._client.get(ROOT))
+    def ping(self, key: str = ROOT) -> None:
+        """One read of ``key`` (hotspare's root key, or a key of the one job a command is
+        about): proves the connection, the credentials and the permission to read (etcd
+        answers a status request even without credentials). A role limited to one job's
+        prefixes can read the job's keys, not the root's."""
+        self._call(f"get {key}", lambda: self._client.get(key))
 
     # -- writes -----------------------------------------------------------------------
     def put(self, key: str, value: bytes | str, lease: Lease | None = None) -> None:

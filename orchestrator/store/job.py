@@ -28,6 +28,7 @@ watches on the job prefix are not woken by every rank's progress report.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterable
@@ -38,7 +39,20 @@ from hotspare.orchestrator.spec import JobSpec
 from . import events
 from .client import KV, Compare, Lease, Store
 from .errors import Conflict
-from .records import Event, EventKind, Failure, JobState, Node, Progress, Report, StateRecord, World
+from .records import (
+    BadRecord,
+    Event,
+    EventKind,
+    Failure,
+    JobState,
+    Node,
+    Progress,
+    Report,
+    StateRecord,
+    World,
+)
+
+log = logging.getLogger("hotspare.store")
 
 #: The chaos "node" name of the leader controller (``hotspare chaos --action kill-controller``).
 CONTROLLER = "_controller"
@@ -149,6 +163,9 @@ class JobSnapshot:
     #: when it was read (the controller stamps time.time() after reading; 0: not stamped):
     #: the failure-rate guard's clock, so that decide() stays a pure function
     now: float = 0.0
+    #: records under the job's prefix that did not parse and were skipped: key -> what is
+    #: wrong (the ones the job cannot be judged without raise :class:`BadRecord` instead)
+    bad: dict[str, str] = field(default_factory=dict)
 
     @property
     def run_id(self) -> str:
@@ -156,52 +173,101 @@ class JobSnapshot:
         return self.spec.run_id if self.spec is not None else ""
 
 
+#: records without which a job cannot be judged: one that does not parse fails the snapshot
+#: (:class:`BadRecord`) instead of being skipped -- a job without its state or world read as
+#: "no state" or "no world" would be placed again from scratch
+CRITICAL = ("spec", "state", "epoch")
+#: what a record that does not parse raises in its parser (JSON and UTF-8 errors are ValueErrors)
+PARSE_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError)
+
+
 def parse_snapshot(job: str, kvs: list[KV], revision: int) -> JobSnapshot:
+    """The job's snapshot from its keys. A record that does not parse is skipped and named in
+    :attr:`JobSnapshot.bad` (and logged once per write of it), so that one bad record under
+    a job's prefix -- written by a newer or buggy writer, or by anyone with write access to
+    etcd -- costs nothing but itself; a bad spec, state, epoch or current world raises
+    :class:`BadRecord`."""
     keys = JobKeys(job)
     snap = JobSnapshot(job=job, revision=revision)
     worlds: dict[int, World] = {}
+    bad_worlds: dict[str, str] = {}
     p = keys.prefix
     for kv in kvs:
-        if kv.key.startswith(keys.progress_prefix):
-            pr = Progress.from_json(kv.value)
-            snap.progress[pr.rank] = pr
-            continue
-        rel = kv.key[len(p):]
-        head, _, rest = rel.partition("/")
-        if rel == "spec":
-            snap.spec = JobSpec.from_json(kv.value)
-        elif rel == "state":
-            rec = StateRecord.from_json(kv.value)
-            snap.state = rec.job_state
-            snap.state_message = rec.message
-            snap.state_error = rec.error
-        elif rel == "cancel":
-            snap.cancel = True
-        elif rel == "leader":
-            snap.leader = kv.value.decode()
-        elif rel == "checkpoint":
-            snap.checkpoint = int(json.loads(kv.value)["step"])
-        elif rel == "failures":
-            snap.failures = tuple(Failure.from_json(json.dumps(f).encode())
-                                  for f in json.loads(kv.value))
-        elif rel == "epoch":
-            snap.epoch = int(kv.value)
-            snap.epoch_mod = kv.mod_revision
-        elif head == "world":
-            w = World.from_json(kv.value)
-            worlds[w.epoch] = w
-        elif head == "nodes":
-            n = Node.from_json(kv.value)
-            snap.nodes[n.name] = n
-        elif head == "reports":
-            snap.reports.append(Report.from_json(kv.value))
-        elif head == "done":
-            snap.done[int(rest)] = json.loads(kv.value)
-        elif head == "chaos":
-            node, _, cid = rest.partition("/")
-            snap.chaos.setdefault(node, []).append(cid)
+        try:
+            _parse_record(snap, keys, kv, worlds)
+        except PARSE_ERRORS as e:
+            error = f"{type(e).__name__}: {e}"
+            rel = kv.key[len(p):] if kv.key.startswith(p) else ""
+            if rel in CRITICAL:
+                raise BadRecord(kv.key, error) from e
+            snap.bad[kv.key] = error
+            if rel.startswith("world/"):
+                bad_worlds[kv.key] = error
+            _log_bad_once(kv, error)
+    if snap.epoch and keys.world(snap.epoch) in bad_worlds:
+        raise BadRecord(keys.world(snap.epoch), bad_worlds[keys.world(snap.epoch)])
     snap.world = worlds.get(snap.epoch)
     return snap
+
+
+def _parse_record(snap: JobSnapshot, keys: JobKeys, kv: KV, worlds: dict[int, World]) -> None:
+    if kv.key.startswith(keys.progress_prefix):
+        pr = Progress.from_json(kv.value)
+        snap.progress[pr.rank] = pr
+        return
+    rel = kv.key[len(keys.prefix):]
+    head, _, rest = rel.partition("/")
+    if rel == "spec":
+        snap.spec = JobSpec.from_json(kv.value)
+    elif rel == "state":
+        rec = StateRecord.from_json(kv.value)
+        snap.state = rec.job_state
+        snap.state_message = rec.message
+        snap.state_error = rec.error
+    elif rel == "cancel":
+        snap.cancel = True
+    elif rel == "leader":
+        snap.leader = kv.value.decode()
+    elif rel == "checkpoint":
+        snap.checkpoint = int(json.loads(kv.value)["step"])
+    elif rel == "failures":
+        snap.failures = tuple(Failure.from_json(json.dumps(f).encode())
+                              for f in json.loads(kv.value))
+    elif rel == "epoch":
+        snap.epoch = int(kv.value)
+        snap.epoch_mod = kv.mod_revision
+    elif head == "world":
+        w = World.from_json(kv.value)
+        worlds[w.epoch] = w
+    elif head == "nodes":
+        n = Node.from_json(kv.value)
+        snap.nodes[n.name] = n
+    elif head == "reports":
+        snap.reports.append(Report.from_json(kv.value))
+    elif head == "done":
+        snap.done[int(rest)] = json.loads(kv.value)
+    elif head == "chaos":
+        node, _, cid = rest.partition("/")
+        snap.chaos.setdefault(node, []).append(cid)
+
+
+#: (key, mod_revision) of the bad records already logged by this process (bounded)
+_LOGGED_BAD: dict[tuple[str, int], None] = {}
+
+
+def _log_bad_once(kv: KV, error: str) -> None:
+    """Log a skipped record once per write of it, not on every read of the job."""
+    mark = (kv.key, kv.mod_revision)
+    if mark in _LOGGED_BAD:
+        return
+    if len(_LOGGED_BAD) >= 1024:
+        _LOGGED_BAD.pop(next(iter(_LOGGED_BAD)))
+    _LOGGED_BAD[mark] = None
+    log.warning("skipping record %s: it does not parse (%s)", kv.key, error)
+
+
+class MissingSecret(RuntimeError):
+    """The job's secret is missing from etcd, or too short to be a key."""
 
 
 class JobStore:
@@ -228,8 +294,14 @@ class JobStore:
         return JobSpec.from_json(kv.value) if kv else None
 
     def secret(self) -> bytes:
+        """The job's HMAC key for the replica wire. Fails closed: a missing or short secret
+        (a key anyone could compute) is an error, never an empty key."""
         kv = self.store.get(self.keys.secret)
-        return kv.value if kv else b""
+        if kv is None or len(kv.value) < 16:
+            raise MissingSecret(f"job {self.job} has no usable secret in etcd ({'none' if kv is None else f'{len(kv.value)} bytes'}"
+                                "; at least 16 are needed): its records are incomplete or were tampered with; "
+                                "resubmit the job")
+        return kv.value
 
     def epoch(self) -> int:
         kv = self.store.get(self.keys.epoch)
@@ -388,8 +460,15 @@ class JobStore:
         return [self.keys.report(node, rank) for node, rank in reports]
 
     def events(self) -> list[Event]:
+        """The job's timeline, oldest first; an event that does not parse is skipped (logged)."""
         kvs, _ = self.store.get_prefix(self.keys.events_prefix)
-        return [Event.from_json(kv.value) for kv in kvs]
+        out = []
+        for kv in kvs:
+            try:
+                out.append(Event.from_json(kv.value))
+            except PARSE_ERRORS as e:
+                _log_bad_once(kv, f"{type(e).__name__}: {e}")
+        return out
 
     def send_chaos(self, node: str, command: dict) -> str:
         cid = f"{time.time_ns():020d}-{os.urandom(2).hex()}"
@@ -404,7 +483,14 @@ class JobStore:
             if self.store.txn(
                 [Compare(kv.key, "mod", "==", kv.mod_revision)], deletes=[kv.key]
             ):
-                out.append(json.loads(kv.value))
+                try:
+                    cmd = json.loads(kv.value)
+                except ValueError as e:
+                    cmd = e
+                if isinstance(cmd, dict):
+                    out.append(cmd)
+                else:  # taken (deleted) all the same: a bad command is not retried forever
+                    _log_bad_once(kv, f"not a chaos command: {cmd}")
         return out
 
 

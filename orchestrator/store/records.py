@@ -7,9 +7,23 @@ JSON crosses the store boundary.
 from __future__ import annotations
 
 import json
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
+
+
+class BadRecord(ValueError):
+    """A record in etcd that does not parse (not JSON, not an object, a field missing or of
+    the wrong type) and that a job cannot be judged without: its spec, state, epoch or current
+    world. Other bad records are skipped (:attr:`JobSnapshot.bad`). ``key`` names the record,
+    ``error`` says what is wrong with it."""
+
+    def __init__(self, key: str, error: str) -> None:
+        super().__init__(f"record {key} does not parse ({error})")
+        self.key = key
+        self.error = error
 
 
 class JobState(str, Enum):
@@ -43,9 +57,53 @@ class _Record:
         return cls(**_known(cls, json.loads(raw)))
 
 
-def _known(cls: type, d: dict) -> dict:
-    names = {f.name for f in fields(cls)}
-    return {k: v for k, v in d.items() if k in names}
+def _known(cls: type, d: object) -> dict:
+    """The fields of ``cls`` in ``d`` (others dropped), each checked against the field's type:
+    a record written by anyone who can write etcd is input, and a wrong type caught here is
+    one record skipped, not an error deep in a decision. Raises TypeError."""
+    if not isinstance(d, dict):
+        raise TypeError(f"a {cls.__name__} record must be a JSON object, not {type(d).__name__}")
+    accepts = _json_types(cls)
+    out = {}
+    for k, v in d.items():
+        if k not in accepts:
+            continue
+        ok = accepts[k]
+        if ok is not None and not isinstance(v, ok):
+            raise TypeError(f"{cls.__name__}.{k} is {v!r} ({type(v).__name__}), not "
+                            + " or ".join(t.__name__ for t in ok))
+        out[k] = v
+    return out
+
+
+_JSON_TYPES: dict[type, dict[str, tuple[type, ...] | None]] = {}
+
+
+def _json_types(cls: type) -> dict[str, tuple[type, ...] | None]:
+    """Field name -> the JSON value types it accepts (None: not checked), per class."""
+    got = _JSON_TYPES.get(cls)
+    if got is None:
+        hints = typing.get_type_hints(cls)
+        got = _JSON_TYPES[cls] = {f.name: _accepts(hints.get(f.name)) for f in fields(cls)}
+    return got
+
+
+def _accepts(hint: object) -> tuple[type, ...] | None:
+    if hint is float:
+        return (int, float)
+    if hint in (int, str, bool):
+        return (hint,)  # type: ignore[return-value]
+    if hint is type(None):
+        return (type(None),)
+    origin = typing.get_origin(hint)
+    if origin is dict:
+        return (dict,)
+    if origin in (list, tuple):
+        return (list,)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_accepts(a) for a in typing.get_args(hint)]
+        return None if any(p is None for p in parts) else tuple(t for p in parts for t in p)  # type: ignore[union-attr]
+    return None
 
 
 @dataclass(frozen=True)
@@ -118,6 +176,8 @@ class World:
     @classmethod
     def from_json(cls, raw: bytes) -> World:
         d = json.loads(raw)
+        if not isinstance(d, dict) or not isinstance(d.get("epoch"), int) or not isinstance(d.get("seats"), list):
+            raise TypeError("a World record is a JSON object with an integer epoch and a list of seats")
         return cls(
             epoch=d["epoch"],
             seats=tuple(Seat(**_known(Seat, s)) for s in d["seats"]),
@@ -225,6 +285,8 @@ class EventKind(str, Enum):
     FINISHED = "finished"  # worker: wrote its final state
     CHECKPOINT_UNUSABLE = "checkpoint-unusable"  # worker: refused a persisted file
     CORRUPTED = "corrupted"  # worker: chaos corrupt-checkpoint did its damage
+    BAD_RECORD = "bad-record"  # controller: a record under the job's prefix does not parse (skipped)
+    RECONCILE_FAILED = "reconcile-failed"  # controller: one cycle for this job raised (the others go on)
 
     def __str__(self) -> str:
         return self.value

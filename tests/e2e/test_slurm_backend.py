@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hotspare.orchestrator.launchers import load_record, record_endpoints
-from hotspare.orchestrator.store import JobStore, Store
+from hotspare.orchestrator.store import JobStore, Store, StoreError
 from hotspare.orchestrator.store.errors import StoreUnavailable
 
 from ..conftest import wait_until, write_spec
@@ -56,9 +56,10 @@ class SlurmJob:
     def jobstore(self, job: str, timeout: float = 90) -> JobStore:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            eps = record_endpoints(self.record(job))
-            if eps:
-                self.store = self.store or Store(eps)
+            rec = self.record(job)
+            eps = record_endpoints(rec)
+            if eps:  # the allocation's etcd serves TLS with client certificates made for the job
+                self.store = self.store or Store(eps, **rec["info"]["etcd_tls"])
                 js = JobStore(self.store, job)
                 if js.exists():
                     return js
@@ -107,6 +108,22 @@ def test_node_loss_on_slurm_spare_takes_over_bit_identical(slurm, slurm_job, ref
         return len(snap.progress) == 3 and min(x.step for x in snap.progress.values()) >= 15
 
     slurm_job.wait_for(past_step_15, "step 15 on every rank", job="slurmloss")
+    # security review F1: the allocation's etcd listens on the cluster network; a client
+    # without the job's certificate -- plain http, or TLS without a client certificate --
+    # can neither read the job's secret nor write its spec
+    rec = slurm_job.record("slurmloss")
+    [ep] = record_endpoints(rec)
+    assert ep.startswith("https://")  # (on this one-host test cluster it is a loopback address)
+    for stranger in ({"endpoint": "http://" + ep.split("://", 1)[1], "tls": {}},
+                     {"endpoint": ep, "tls": {"ca_cert": rec["info"]["etcd_tls"]["ca_cert"]}}):
+        with pytest.raises(StoreError):
+            st = Store([stranger["endpoint"]], timeout=3, **stranger["tls"])
+            try:
+                st.get(js.keys.secret)
+            finally:
+                st.close()
+    tls_dir = Path(rec["info"]["etcd_tls"]["key"]).parent
+    assert (tls_dir.stat().st_mode & 0o777) == 0o700 and (tls_dir / "ca.key").stat().st_mode & 0o077 == 0
     world = js.snapshot().world
     victim = world.seats[1].node
     spares = [n for n in slurm.names if n not in {s.node for s in world.seats}]

@@ -161,3 +161,21 @@ def test_ddp_overhead_smoke(tmp_path):
         assert isinstance(data[key], (int, float)), (key, data[key])  # computed; values not checked
     assert data["config"]["workload"]["params"] > 0
     assert set(data["step_ms"]) == {"hotspare_nofail", "torchrun_nofail", "plain", "plain_param_order"}
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_replication_mac_smoke(tmp_path):
+    """Both wires (before the frame MAC covered bodies, from git; and this tree's) put and get a
+    snapshot through a real ReplicaServer and send one bare frame; structure only, no timings."""
+    data = assert_ok(*smoke("replication_mac", tmp_path))
+    assert data["config"]["variants"] == ["before", "after"]
+    assert data["config"]["before"].startswith("git ")
+    assert len(data["trials"]) == 2 and all(t["ok"] for t in data["trials"]), data["trials"]
+    for t in data["trials"]:
+        assert t["bytes"] == 9 << 20
+        for op in ("put", "get", "frame"):
+            assert t[op]["s"] > 0 and t[op]["client_cpu_s"] >= 0 and t[op]["server_cpu_s"] >= 0, (t["variant"], op)
+    for op in ("put", "get", "frame"):
+        assert {"median", "best", "per_trial"} <= set(data["ratios"][op]), op
+        assert data["stats"]["after"][op]["s"]["n"] == 1
+    assert set(data["primitives_gbps"]) == {"sha256", "hmac_sha256", "crc32", "copy"}

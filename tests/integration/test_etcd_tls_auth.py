@@ -16,9 +16,9 @@ from etcd3 import etcdrpc
 from etcd3.etcdrpc import auth_pb2
 
 from hotspare.orchestrator.etcd_server import EtcdServer, free_port, start_etcd
-from hotspare.orchestrator.store import Store, StoreError, wait_until
+from hotspare.orchestrator.store import JobStore, Store, StoreError, wait_until
 
-from ..conftest import Cluster
+from ..conftest import Cluster, write_spec
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -208,3 +208,35 @@ def test_auth_token_is_renewed_after_etcd_restarts(auth_etcd):
             st.put("/other/key", "x")  # the role covers hotspare's keys only
     finally:
         st.close()
+
+
+def test_a_role_limited_to_one_jobs_keys_is_enough_for_that_jobs_commands(auth_etcd, tmp_path):
+    """Security review F4: docs/security.md recommended per-job roles, but every command first
+    read /hotspare/ and was refused with such a role. A command about one job now checks its
+    connection inside that job's keys; another job's keys stay out of reach."""
+    srv, root_pw, _ = auth_etcd
+    st = Store([srv.endpoint], user="root", password=root_pw)
+    st.get("/hotspare/")  # authenticated: the stubs below take the token as metadata
+    a, md = st._client.authstub, st._client.metadata
+    a.RoleAdd(etcdrpc.AuthRoleAddRequest(name="joba"), metadata=md)
+    for prefix in ("/hotspare/joba/", "/hotspare-events/joba/", "/hotspare-progress/joba/", "/hotspare-rdzv/joba/"):
+        end = prefix[:-1] + "0"  # the prefix's range: "/" + 1 == "0"
+        a.RoleGrantPermission(etcdrpc.AuthRoleGrantPermissionRequest(name="joba", perm=auth_pb2.Permission(
+            permType=auth_pb2.Permission.READWRITE, key=prefix.encode(), range_end=end.encode())), metadata=md)
+    pw = secrets.token_urlsafe(12)
+    a.UserAdd(etcdrpc.AuthUserAddRequest(name="joba-user", password=pw), metadata=md)
+    a.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="joba-user", role="joba"), metadata=md)
+    from hotspare.orchestrator.spec import load_spec
+
+    for name in ("joba", "jobb"):
+        JobStore(st, name).submit(load_spec(write_spec(tmp_path, name=name)), b"k" * 32)
+    st.close()
+    c = Cluster(srv, tmp_path, user="root", password=root_pw)
+    try:
+        c.env["HOTSPARE_ETCD_PASSWORD"] = pw
+        r = c.hotspare("status", "joba", "--etcd-user", "joba-user")
+        assert r.returncode == 0 and "joba" in r.stdout, r.stdout + r.stderr
+        r = c.hotspare("status", "jobb", "--etcd-user", "joba-user")
+        assert r.returncode == 2 and "permission" in (r.stdout + r.stderr).lower(), r.stdout + r.stderr
+    finally:
+        c.close()

@@ -335,3 +335,35 @@ def test_a_slot_reused_mid_stream_leaves_no_file(tmp_path):
     assert not list((tmp_path / "ckpt").rglob("*.safetensors*")) and not list((tmp_path / "ckpt").rglob(".*tmp"))
     view.close()
     slot.close()
+
+
+def test_staging_for_an_object_store_never_writes_through_a_planted_link(tmp_path, monkeypatch):
+    """Security review F5: with an object-store persist_path and no persist_local_dir the
+    staging went to the predictable, shared $TMPDIR/hotspare-persist/<job>/<run>/step.../, and
+    the temporary file was opened following links: another local user who created that
+    directory first could make the agent overwrite any file it can write. Staging is in a
+    private directory now, and the temporary name is opened with O_EXCL|O_NOFOLLOW."""
+    import fsspec
+
+    tmpdir = tmp_path / "shared-tmp"
+    tmpdir.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(tmpdir))
+    victim = tmp_path / "victim-bashrc"
+    victim.write_text("precious\n")
+    # the attacker's trap, at the path the old code used, for every pid the writer may have
+    trap = tmpdir / "hotspare-persist" / "t" / "step00000010"
+    trap.mkdir(parents=True)
+    (trap / f".rank0.safetensors.{os.getpid()}.tmp").symlink_to(victim)
+
+    eng, model, opt = _engine(tmp_path)
+    url = "memory://hotspare-f5/ckpt"
+    s = _spec(persist_every=10, persist_path=url, output_dir=str(tmp_path))
+    p = Persister(eng.dir, s, job="t", view=lambda: NodeView(epoch=1, world_size=1, seats={0: 0}),
+                  event=lambda kind, msg, **d: None)
+    _train_to(eng, model, opt, 10)
+    p.persist_once()
+    assert victim.read_bytes() == b"precious\n", "the persister wrote through a planted link"
+    assert persist.complete_steps(url) == [10]
+    assert not [x for x in tmpdir.iterdir() if x.name.startswith("hotspare-persist-")], "staging dir left behind"
+    fsspec.filesystem("memory").rm("/hotspare-f5", recursive=True)
+    eng.close()

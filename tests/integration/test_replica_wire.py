@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import struct
 import threading
+import zlib
 from pathlib import Path
 
 import pytest
@@ -23,11 +25,15 @@ from hotspare.recovery.replica_client import fetch, fetch_first, list_steps
 from hotspare.recovery.snapshot import SnapshotEngine, tensors_from_bytes
 from hotspare.recovery.state import provider_for
 from hotspare.recovery.wire import (
+    _FIXED,
     _HDR,
+    CHUNK,
     HDR_SIZE,
+    HELLO,
     MAGIC,
     MAX_BODY,
     MAX_HEADER,
+    TAG_SIZE,
     Channel,
     WireError,
     checksums,
@@ -281,6 +287,27 @@ def test_client_refuses_something_that_is_not_a_replica_server():
         lst.close()
 
 
+def test_client_names_a_server_of_another_protocol_version():
+    lst = socket.create_server((HOST, 0))
+
+    def old_server():
+        conn, _ = lst.accept()
+        with conn:
+            conn.sendall(b"HSP1" + os.urandom(16))  # hotspare before the frame MAC covered bodies
+            conn.settimeout(5)
+            with contextlib.suppress(OSError):
+                conn.recv(100)
+
+    t = threading.Thread(target=old_server, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(WireError, match="speaks replica protocol HSP1, not HSP2"):
+            Channel.client(HOST, lst.getsockname()[1], SECRET, timeout=5)
+    finally:
+        t.join(10)
+        lst.close()
+
+
 def _recv_n(s: socket.socket, n: int) -> bytes:
     got = b""
     while len(got) < n:
@@ -323,7 +350,7 @@ def _stranger(port: int, payload: bytes) -> tuple[bytes, bytes]:
 def test_strangers_are_refused_before_any_frame_and_do_not_hurt_the_server(snap, tmp_path, serve, payload):
     srv = serve(tmp_path)
     hello, rest = _stranger(srv.port, payload)
-    assert hello[:4] == b"HSP1" and len(hello) == 20
+    assert hello[:4] == HELLO == b"HSP2" and len(hello) == 20
     assert rest == b"", "the server said more than its hello to a stranger"
     assert list_steps(HOST, srv.port, SECRET, sid=1) == [5]
 
@@ -457,6 +484,38 @@ def test_recv_rejects_a_tampered_frame(pair, where):
         srv.recv()
 
 
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_recv_rejects_a_frame_whose_body_was_changed(pair, where):
+    """Every byte of the body is under the MAC, not only its length (finding F3)."""
+    srv, cli = pair()
+    raw = bytearray(_recorded({"op": "put", "rank": 1}, b"body bytes", server=False))
+    hlen = struct.unpack(_HDR, raw[:HDR_SIZE])[1]
+    raw[HDR_SIZE + hlen + (0 if where == "first" else 9)] ^= 0x01
+    cli.sock.sendall(bytes(raw))
+    with pytest.raises(WireError, match="HMAC.*body"):
+        srv.recv()
+
+
+def test_a_large_body_arrives_in_pieces_and_a_byte_changed_in_any_of_them_fails(pair):
+    body = os.urandom(2 * CHUNK + 12345)  # three pieces, hashed by the second thread
+    srv, cli = pair()
+    t = threading.Thread(target=cli.send, args=({"op": "put"}, memoryview(body)), daemon=True)
+    t.start()
+    assert srv.recv() == ({"op": "put"}, body)
+    t.join(10)
+    raw = _recorded({"op": "put"}, body, server=False)
+    assert len(raw) == HDR_SIZE + len(b'{"op":"put"}') + len(body) + TAG_SIZE
+    for at in (0, CHUNK - 1, CHUNK + 7, len(body) - 1):
+        srv, cli = pair()
+        bad = bytearray(raw)
+        bad[HDR_SIZE + len(b'{"op":"put"}') + at] ^= 0x80
+        t = threading.Thread(target=cli.sock.sendall, args=(bytes(bad),), daemon=True)
+        t.start()
+        with pytest.raises(WireError, match="HMAC over the body"):
+            srv.recv()
+        t.join(10)
+
+
 def test_a_replayed_frame_fails_because_the_sequence_advanced(pair):
     srv, cli = pair()
     raw = _recorded({"op": "put", "rank": 1}, b"data", server=False)
@@ -482,16 +541,18 @@ def test_a_reflected_frame_fails_because_direction_is_bound(pair):
 @pytest.mark.parametrize(("hb", "what"), [(b"[1,2]", "JSON object"), (b"{nope", "not JSON")])
 def test_recv_rejects_an_authentic_header_that_is_not_a_json_object(pair, hb, what):
     srv, cli = pair()
-    mac = cli._mac(cli._dir(True), 0, hb, 0)
-    cli.sock.sendall(struct.pack(_HDR, MAGIC, len(hb), 0, mac) + hb)
+    fixed = struct.pack(_FIXED, MAGIC, len(hb), 0)
+    mac, _ = cli._macs(True, 0, fixed, hb)
+    cli.sock.sendall(fixed + mac + hb)
     with pytest.raises(WireError, match=what):
         srv.recv()
 
 
-def test_recv_reports_a_peer_that_closes_mid_frame(pair):
+@pytest.mark.parametrize("cut", [3, TAG_SIZE + 3], ids=["in-the-tag", "in-the-body"])
+def test_recv_reports_a_peer_that_closes_mid_frame(pair, cut):
     srv, cli = pair()
     raw = _recorded({"op": "put"}, b"0123456789", server=False)
-    cli.sock.sendall(raw[:-3])
+    cli.sock.sendall(raw[:-cut])
     cli.sock.close()
     with pytest.raises(WireError, match="closed"):
         srv.recv()
@@ -614,3 +675,171 @@ def test_validate_snapshot_rejects_with_a_clear_message(mutation, message):
     with pytest.raises(WireError) as e:
         validate_snapshot(header, body)
     assert message in str(e.value)
+
+
+# -- F3: a man in the middle without the secret cannot change a frame's body -----------------------
+def _forge_crc32(data: bytearray, at: int, want: int) -> None:
+    """Change ``data[at:at + 4]`` so that ``zlib.crc32(data) == want``: what an attacker does.
+    CRC32 is affine in the message (crc(x ^ d) = crc(x) ^ crc(d) ^ crc(0...0) at one length), so
+    the 32 bits of 4 bytes can be solved for any CRC over GF(2); no secret needed."""
+    n, zero = len(data), zlib.crc32(bytes(len(data)))
+    basis: list[tuple[int, int]] = []  # (CRC difference, which of the 32 bits give it)
+    for bit in range(32):
+        d = bytearray(n)
+        d[at + bit // 8] = 1 << (bit % 8)
+        v, m = zlib.crc32(d) ^ zero, 1 << bit
+        for bv, bm in basis:
+            if v ^ bv < v:
+                v, m = v ^ bv, m ^ bm
+        if v:
+            basis = sorted([*basis, (v, m)], reverse=True)
+    v, m = zlib.crc32(data) ^ want, 0
+    for bv, bm in basis:
+        if v ^ bv < v:
+            v, m = v ^ bv, m ^ bm
+    assert v == 0, "these 4 bytes cannot reach every CRC"
+    for bit in range(32):
+        if m >> bit & 1:
+            data[at + bit // 8] ^= 1 << (bit % 8)
+
+
+def _poison_weight(snapshot: dict, body: bytearray) -> None:
+    """weight[0] 0.5 -> 1e9, and the tensor's CRC32 kept right through its last 4 bytes."""
+    i = next(i for i, t in enumerate(snapshot["tensors"]) if t["name"] == "model.params/weight")
+    off, nb = snapshot["tensors"][i]["offset"], snapshot["tensors"][i]["nbytes"]
+    assert struct.unpack_from("<f", body, off)[0] == 0.5
+    struct.pack_into("<f", body, off, 1e9)
+    tensor = bytearray(body[off : off + nb])
+    _forge_crc32(tensor, nb - 4, snapshot["crc"][i])
+    body[off : off + nb] = tensor
+    validate_snapshot(snapshot, bytes(body))  # the CRC32s alone are fooled
+
+
+class TamperingProxy:
+    """A loopback man in the middle without the job secret, between a client and a server.
+
+    It relays the handshake and every byte unchanged, except the body of the first frame that
+    carries a snapshot in ``direction`` (``"c2s"``: a put, ``"s2c"``: a get's reply), which
+    ``tamper(snapshot_header, body)`` rewrites in place before it is passed on."""
+
+    def __init__(self, port: int, direction: str, tamper) -> None:
+        self.target, self.direction, self.tamper = port, direction, tamper
+        self.tampered = 0  # frames rewritten
+        self.errors: list[BaseException] = []
+        self.lst = socket.create_server((HOST, 0))
+        self.port = self.lst.getsockname()[1]
+        self.threads = [threading.Thread(target=self._serve, daemon=True)]
+        self.threads[0].start()
+
+    def _serve(self) -> None:
+        try:
+            down, _ = self.lst.accept()
+            up = socket.create_connection((HOST, self.target), timeout=10)
+            down.settimeout(10)
+            for src, dst, n in ((up, down, 20), (down, up, 48), (up, down, 32)):  # the handshake
+                dst.sendall(_recv_n(src, n))
+            for src, dst, d in ((down, up, "c2s"), (up, down, "s2c")):
+                t = threading.Thread(target=self._pump, args=(src, dst, d == self.direction), daemon=True)
+                t.start()
+                self.threads.append(t)
+        except OSError as e:
+            self.errors.append(e)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, attack: bool) -> None:
+        try:
+            while attack:
+                prefix = _recv_n(src, HDR_SIZE)
+                if len(prefix) < HDR_SIZE:
+                    break
+                _, hlen, blen, _ = struct.unpack(_HDR, prefix)
+                hb = _recv_n(src, hlen)
+                body = bytearray(_recv_n(src, blen))
+                snapshot = json.loads(hb).get("snapshot")
+                if isinstance(snapshot, dict) and blen:
+                    self.tamper(snapshot, body)
+                    self.tampered += 1
+                    attack = False  # the rest (a trailing tag, if any, and later frames) unchanged
+                dst.sendall(prefix + hb + bytes(body))
+            while chunk := src.recv(1 << 16):
+                dst.sendall(chunk)
+        except (OSError, AssertionError, ValueError) as e:
+            self.errors.append(e)
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.lst.close()
+        for t in self.threads:
+            t.join(10)
+
+
+@pytest.fixture
+def poisonable(tmp_path):
+    """A sid-1 step-5 snapshot by a real SnapshotEngine whose model.params/weight[0] is 0.5."""
+    model = torch.nn.Linear(8, 4)
+    with torch.no_grad():
+        model.weight.view(-1)[0] = 0.5
+    eng = SnapshotEngine(tmp_path / "node", sid=1, replicate_every=0)
+    eng.providers = provider_for("model", model)
+    eng.capture(5)
+    eng.wait()
+    yield tmp_path / "node"
+    eng.close()
+
+
+def test_a_man_in_the_middle_cannot_poison_a_fetched_replica(poisonable, serve):
+    """Finding F3: the frame MAC must cover the body, not only its length (the CRC32s are forgeable)."""
+    srv = serve(poisonable)
+    proxy = TamperingProxy(srv.port, "s2c", _poison_weight)
+    try:
+        with pytest.raises(WireError, match="HMAC") as e:
+            got = fetch(HOST, proxy.port, SECRET, sid=1, step=5)
+            pytest.fail(f"a tampered replica was accepted, weight[0] = {struct.unpack_from('<f', got[1])[0]}")
+        assert "body" in str(e.value)
+    finally:
+        proxy.close()
+    assert proxy.tampered == 1 and not proxy.errors, proxy.errors
+    header, body = fetch(HOST, srv.port, SECRET, sid=1, step=5)  # the holder's copy is still good
+    assert tensors_from_bytes(header, body)["model.params/weight"].view(-1)[0].item() == 0.5
+
+
+def test_a_man_in_the_middle_cannot_plant_a_poisoned_replica(poisonable, serve, caplog):
+    src = serve(poisonable)
+    header, body = fetch(HOST, src.port, SECRET, sid=1, step=5)
+    dst_dir = poisonable.parent / "buddy"
+    dst = serve(dst_dir)
+    proxy = TamperingProxy(dst.port, "c2s", _poison_weight)
+    try:
+        with caplog.at_level(logging.WARNING, logger="hotspare.replica"):
+            with pytest.raises(WireError):  # the server drops the connection without a reply
+                reply = _put(proxy.port, 3, header, body)
+                pytest.fail(f"a tampered put was answered: {reply}")
+    finally:
+        proxy.close()
+    assert proxy.tampered == 1 and not proxy.errors, proxy.errors
+    assert any("failed its HMAC" in r.getMessage() and "body" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
+    assert list(dst_dir.iterdir()) == [], "something of the tampered put was stored"
+    assert list_steps(HOST, dst.port, SECRET, sid=3) == []
+
+
+def test_a_man_in_the_middle_cannot_change_bytes_outside_every_tensor(tmp_path, serve):
+    """Bytes no CRC32 covers (here the padding between two tensors) are under the MAC too."""
+    header, body = _snapshot()  # 40 bytes between its two tensors
+    dst_dir = tmp_path / "buddy"
+    dst = serve(dst_dir)
+
+    def flip_padding(snapshot: dict, body: bytearray) -> None:
+        body[30] ^= 0xFF
+        validate_snapshot(snapshot, bytes(body))  # the CRC32s cannot see it
+
+    proxy = TamperingProxy(dst.port, "c2s", flip_padding)
+    try:
+        with pytest.raises(WireError):
+            reply = _put(proxy.port, 2, header, body)
+            pytest.fail(f"a tampered put was answered: {reply}")
+    finally:
+        proxy.close()
+    assert proxy.tampered == 1 and not proxy.errors, proxy.errors
+    assert list(dst_dir.iterdir()) == []

@@ -244,3 +244,19 @@ def test_the_controller_records_each_handled_failure_with_its_decision(etcd):
     [last] = [e for e in js.events() if e.kind == "failure" and e.data.get("ended_job")]
     assert (last.data["step"], last.data["error"], last.data["spare"]) == (7, "ValueError: boom", None)
 
+
+
+def test_a_missing_or_short_job_secret_fails_closed(etcd):
+    """Security review F15: a missing secret used to come back as b"" -- an HMAC key anyone
+    can compute -- and the replica wire ran with it. Now it is an error that says why."""
+    from hotspare.orchestrator.store.job import MissingSecret
+
+    st = Store([etcd.endpoint])
+    js = JobStore(st, "nosecret")
+    with pytest.raises(MissingSecret, match="no usable secret in etcd .none"):
+        js.secret()
+    st.put(js.keys.secret, b"short")
+    with pytest.raises(MissingSecret, match="5 bytes"):
+        js.secret()
+    st.put(js.keys.secret, b"k" * 32)
+    assert js.secret() == b"k" * 32

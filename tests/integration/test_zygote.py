@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hotspare.agents.worker_link import WARM, Heartbeat, WorkerEnv
+from hotspare.agents.worker_link import WARM, Heartbeat, WorkerEnv, pin_spec
 from hotspare.agents.zygote import (
     EXIT_FORK_SETUP,
     EXIT_STATUS_UNKNOWN,
@@ -49,6 +49,7 @@ def job(etcd, tmp_path):
     spec = load_spec(write_spec(tmp_path, name="zjob", ranks=1, spares=0))
     store = Store([etcd.endpoint])
     JobStore(store, "zjob").submit(spec, b"s" * 32)
+    pin_spec(tmp_path, JobStore(store, "zjob").spec())  # what the agent does: its workers read this
     yield tmp_path
     store.close()
 

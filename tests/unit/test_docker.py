@@ -51,3 +51,15 @@ def test_kubernetes_default_image_is_the_documented_tag():
 
     assert kubernetes.DEFAULT_IMAGE == "hotspare:cpu"
     assert "-t hotspare:cpu" in (REPO / "docker" / "README.md").read_text()
+
+
+def test_the_image_runs_as_the_unprivileged_user_the_kubernetes_pods_require():
+    """Security review F17: the pods run with runAsNonRoot and runAsUser 10001; an image
+    without that user would run as root (or not start)."""
+    from hotspare.orchestrator.launchers.k8s_manifests import RUN_AS
+
+    ins = _instructions()
+    users = [rest for word, rest in ins if word == "USER"]
+    assert users and users[-1] == f"{RUN_AS}:{RUN_AS}"
+    assert any(word == "RUN" and f"--uid {RUN_AS}" in rest for word, rest in ins)
+    assert [w for w, _ in ins].index("USER") > max(i for i, (w, r) in enumerate(ins) if w == "RUN" and "pip install" in r)

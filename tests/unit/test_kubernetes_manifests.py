@@ -144,9 +144,9 @@ def test_spare_flag_is_exactly_on_the_spare_pool(scenario):
         assert cmd[cmd.index("--etcd") + 1] == ",".join(endpoints)
         assert cmd[cmd.index("--node") + 1] == "$(POD_NAME)"
         assert cmd[cmd.index("--host") + 1] == "$(POD_IP)"
-        env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+        env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] if "valueFrom" in e else e["value"]
                for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
-        assert env == {"POD_NAME": "metadata.name", "POD_IP": "status.podIP"}
+        assert env == {"POD_NAME": "metadata.name", "POD_IP": "status.podIP", "HOME": "/tmp"}
 
 
 def test_agent_wrapper_keeps_exit_codes_and_makes_termination_a_failure():
@@ -169,11 +169,13 @@ def test_controller_is_a_two_replica_deployment_that_registers_the_job():
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert c["command"] == ["hotspare", "controller", "--job", "kube-demo", "--etcd",
                             k8s.etcd_url("kube-demo", "default"), "--register", "/etc/hotspare/spec.json"]
-    (env,) = c["env"]
-    assert env["name"] == "HOTSPARE_JOB_SECRET"
-    assert env["valueFrom"]["secretKeyRef"] == {"name": "hotspare-kube-demo-secret", "key": "secret"}
-    (vol,) = dep["spec"]["template"]["spec"]["volumes"]
-    assert vol["configMap"]["name"] == "hotspare-kube-demo-spec"
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env == {"HOTSPARE_JOB_SECRET_FILE": "/etc/hotspare-secret/secret", "HOME": "/tmp"}  # a file, not a value
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert vols["spec"]["configMap"]["name"] == "hotspare-kube-demo-spec"
+    assert vols["secret"]["secret"] == {"secretName": "hotspare-kube-demo-secret", "defaultMode": 0o400}
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["secret"] == "/etc/hotspare-secret"
 
 
 def test_the_secret_is_in_the_secret_and_nowhere_else():
@@ -206,9 +208,27 @@ def test_no_pod_gets_api_access(scenario):
     for pod in pods:
         assert pod["serviceAccountName"] == sa["metadata"]["name"]
         assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
         for c in pod["containers"] + pod.get("initContainers", []):
-            assert c["securityContext"] == {"allowPrivilegeEscalation": False,
+            assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                             "capabilities": {"drop": ["ALL"]}}
+            assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]  # the one writable place besides volumes
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_only_the_jobs_own_pods_may_connect_to_its_pods(scenario):
+    """Security review F1 (Kubernetes): the in-cluster etcd has no auth, and nothing stopped
+    any pod of any namespace from reading the job's secret and rewriting its keys. A
+    NetworkPolicy admits only the job's own pods to all of the job's pods (etcd, agents'
+    replica servers, workers' collectives)."""
+    spec, docs = render(scenario)
+    (np_,) = of_kind(docs, "NetworkPolicy")
+    mine = {"app.kubernetes.io/name": "hotspare", "app.kubernetes.io/instance": spec.name}
+    assert np_["spec"]["podSelector"] == {"matchLabels": mine}
+    assert np_["spec"]["policyTypes"] == ["Ingress"]
+    assert np_["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": mine}}]}]
+    for pod in of_kind(docs, "StatefulSet") + of_kind(docs, "Deployment") + of_kind(docs, "Job"):
+        assert mine.items() <= pod["spec"]["template"]["metadata"]["labels"].items()  # covered by the policy
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -244,7 +264,7 @@ def test_in_cluster_etcd_is_one_fast_member_on_an_empty_dir():
     assert cmd[cmd.index("--heartbeat-interval") + 1] == "50"
     assert cmd[cmd.index("--election-timeout") + 1] == "500"
     assert cmd[cmd.index("--advertise-client-urls") + 1] == "http://hotspare-kube-demo-etcd.default.svc:2379"
-    assert pod["volumes"] == [{"name": "data", "emptyDir": {}}]
+    assert pod["volumes"] == [{"name": "tmp", "emptyDir": {}}, {"name": "data", "emptyDir": {}}]
     svc = next(d for d in of_kind(docs, "Service") if d["metadata"]["name"] == sts["spec"]["serviceName"])
     assert svc["spec"]["ports"][0]["port"] == 2379
     agents = next(d for d in of_kind(docs, "Service") if d["metadata"]["name"].endswith("-agents"))
@@ -344,8 +364,8 @@ def test_submit_dry_run_prints_the_manifests(tmp_path):
     assert r.returncode == 0, r.stderr
     manifest_text = r.stdout.split("# what `hotspare submit` would do (kubernetes backend)\n", 1)[1]
     docs = list(yaml.safe_load_all(manifest_text))
-    assert [d["kind"] for d in docs] == ["ServiceAccount", "Secret", "ConfigMap", "Service", "StatefulSet",
-                                         "Service", "Deployment", "Job", "Job"]
+    assert [d["kind"] for d in docs] == ["ServiceAccount", "NetworkPolicy", "Secret", "ConfigMap", "Service",
+                                         "StatefulSet", "Service", "Deployment", "Job", "Job"]
     assert "kubectl port-forward -n default svc/hotspare-kube-demo-etcd 2379" in r.stdout
     assert "&id" not in manifest_text  # shared label dicts are written out, not as YAML anchors
     assert not (tmp_path / "state" / "launched").exists()  # nothing was submitted
@@ -467,6 +487,7 @@ def test_launch_creates_the_objects_in_order_then_describe_ended_cancel(fake_api
     posted = [path for method, path in fake_api.calls if method == "POST"]
     assert posted == [
         "/api/v1/namespaces/default/serviceaccounts/hotspare-kube-demo",
+        "/apis/networking.k8s.io/v1/namespaces/default/networkpolicies/hotspare-kube-demo-ingress",
         "/api/v1/namespaces/default/secrets/hotspare-kube-demo-secret",
         "/api/v1/namespaces/default/configmaps/hotspare-kube-demo-spec",
         "/api/v1/namespaces/default/services/hotspare-kube-demo-etcd",
@@ -510,7 +531,7 @@ def test_cli_submit_records_what_cancel_needs(fake_api, tmp_path):
     kubeconfig = os.environ["KUBECONFIG"]
     r = cli(tmp_path, "submit", str(CONFIG), KUBECONFIG=kubeconfig)
     assert r.returncode == 0, r.stderr
-    assert "submitted kube-demo to kubernetes (etcd starts inside the job); 9 objects" in r.stdout
+    assert "submitted kube-demo to kubernetes (etcd starts inside the job); 10 objects" in r.stdout
     rec = json.loads((tmp_path / "state" / "launched" / "kube-demo.json").read_text())
     assert rec["backend"] == "kubernetes" and rec["endpoints"] == [] and rec["info"]["context"] == "fake"
     # what `hotspare cancel kube-demo` does with the record when the job's etcd is out of reach
@@ -526,9 +547,9 @@ def test_launch_rolls_back_only_what_it_created(fake_api):
     msg = str(e.value)
     assert "creating Deployment hotspare-kube-demo-controller in namespace default" in msg
     assert "409" in msg and "`hotspare cancel kube-demo` first" in msg
-    assert "removed the 6 object(s) it had created" in msg
+    assert "removed the 7 object(s) it had created" in msg
     deleted = [path for method, path in fake_api.calls if method == "DELETE"]
-    assert len(deleted) == 6 and not any("deployments" in p for p in deleted)
+    assert len(deleted) == 7 and not any("deployments" in p for p in deleted)
     assert not any(fake_api.objects.values())
 
 
@@ -582,3 +603,14 @@ def test_launch_describe_cancel_on_a_live_cluster(live_cluster):
     finally:
         said = launcher.cancel(info)
     assert said.startswith(f"deleted from namespace {ns}:") and f"Job/hotspare-{name}-active" in said
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_agents_are_pinned_to_the_spec_the_controller_registers(scenario):
+    """Every agent gets --spec-sha256 of the ConfigMap's spec.json (what the controller
+    registers), so a spec rewritten in etcd is refused (docs/security.md)."""
+    _spec, docs = render(scenario)
+    registered = JobSpec.from_dict(json.loads(of_kind(docs, "ConfigMap")[0]["data"]["spec.json"]))
+    for job in agent_jobs(docs).values():
+        cmd = agent_command(job)
+        assert cmd[cmd.index("--spec-sha256") + 1] == registered.digest()

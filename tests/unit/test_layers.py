@@ -35,7 +35,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("node", ("agents", "agents.agent", "agents.replica", "agents.persist", "agents.node*")),
     ("train", ("recovery", "recovery.*", "agents.worker", "orchestrator.store.c10d")),
     ("launch", ("orchestrator.launchers", "orchestrator.launchers.*", "orchestrator.embedded",
-                "orchestrator.etcd_server", "orchestrator.torchrun_rdzv", "orchestrator.entry_check")),
+                "orchestrator.etcd_server", "orchestrator.etcd_tls", "orchestrator.torchrun_rdzv",
+                "orchestrator.entry_check")),
     ("face", ("orchestrator.cli", "orchestrator.cli_*", "orchestrator.commands",
               "orchestrator.commands.*", "")),  # "": the hotspare package, the public API
 ]

@@ -22,6 +22,7 @@ from hotspare.orchestrator.spec import (
     JobSpec,
     SpecError,
     load_spec,
+    parse_name,
     parse_overrides,
     parse_spec,
 )
@@ -817,3 +818,70 @@ def test_chaos_vocabulary_is_the_chaos_action_table() -> None:
         chaos.RANK_ACTIONS, chaos.NODE_ACTIONS, chaos.CONTROL_ACTIONS)
     assert set(spec.RANK_ACTIONS) | set(spec.NODE_ACTIONS) | set(spec.CONTROL_ACTIONS) == set(
         spec.CHAOS_ACTIONS)
+
+
+@pytest.mark.parametrize("name", ["abc\n", "abc\n#x", "a\nb"])
+def test_a_name_with_a_newline_is_refused(name: str) -> None:
+    """Security review F11: ``$`` matches before a trailing newline, so ``name: "abc\\n"``
+    passed and broke the Slurm script (and reached etcd keys and /dev/shm names)."""
+    with pytest.raises(SpecError, match="must be 1-63 lowercase letters"):
+        parse_name(name)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("output_dir", "runs/x\ntouch PWNED_output_dir"),
+    ("slurm", {"partition": "gpu\ntouch PWNED_partition"}),
+    ("slurm", {"sbatch_args": ["--exclusive", "--comment=a\ntouch PWNED"]}),
+    ("env", {"A": "x\0y"}),
+])
+def test_values_that_would_inject_lines_into_a_batch_script_are_refused(tmp_path: Path, field: str, value: Any) -> None:
+    """Security review F12/F18: output_dir, Slurm options and sbatch_args went unquoted into
+    the batch script, so a newline in them injected shell lines; a NUL in an env value made
+    every agent die at spawn. Refused at submit, naming the field."""
+    fields = {"backend": "slurm"} if field == "slurm" else {}
+    with pytest.raises(SpecError, match="control characters|NUL"):
+        load_spec(REPO_ROOT / "configs" / "demo.yaml", {**fields, field: value})
+
+
+def test_slurm_setup_may_still_hold_several_shell_lines(tmp_path: Path) -> None:
+    spec = load_spec(REPO_ROOT / "configs" / "demo.yaml",
+                     {"backend": "slurm", "slurm": {"setup": "module load cuda\nsource env.sh"}})
+    assert spec.slurm["setup"].count("\n") == 1
+
+
+def test_the_slurm_secret_file_is_0600_even_over_an_older_wider_one(tmp_path: Path) -> None:
+    """Security review F14: the secret was opened with O_CREAT|O_TRUNC, which keeps the mode
+    of a file that already exists (0644 from an earlier run, say)."""
+    from hotspare.orchestrator.launchers.slurm import write_private
+
+    secret = tmp_path / "secret"
+    secret.write_text("old")
+    secret.chmod(0o644)
+    write_private(secret, "new")
+    assert secret.read_text() == "new" and (secret.stat().st_mode & 0o777) == 0o600
+
+
+def test_slurm_refuses_an_etcd_password_that_would_be_stored_with_the_job(tmp_path: Path, monkeypatch) -> None:
+    """Security review F19: a spec's inline password is exported to the CLI's environment, and
+    sbatch stores that environment with the job. The Slurm launcher wants a password file."""
+    from hotspare.orchestrator.launchers import LaunchError
+    from hotspare.orchestrator.launchers.slurm import SlurmLauncher
+
+    monkeypatch.setenv("HOTSPARE_ETCD_PASSWORD", "s3cret")
+    monkeypatch.delenv("HOTSPARE_ETCD_PASSWORD_FILE", raising=False)
+    spec = load_spec(REPO_ROOT / "configs" / "demo.yaml", {"backend": "slurm", "output_dir": str(tmp_path)})
+    with pytest.raises(LaunchError, match="HOTSPARE_ETCD_PASSWORD_FILE"):
+        SlurmLauncher().launch(spec, ["http://e:2379"])
+    assert not (tmp_path / "slurm").exists() or not list((tmp_path / "slurm").iterdir())
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("ranks", 10**30, "must be <= 65536"),
+    ("steps", 2**70, "must be <= 9007199254740991"),
+    ("lease_ttl", 1e300, "must be <= 2.592e\\+06 seconds"),
+])
+def test_absurd_numbers_are_refused(field: str, value: Any, msg: str) -> None:
+    """Security review F18: no upper bounds -- ranks: 1e30 had the local backend build a list of
+    10^30 nodes, and a TTL of 1e300 overflowed gRPC's int64."""
+    with pytest.raises(SpecError, match=msg):
+        load_spec(REPO_ROOT / "configs" / "demo.yaml", {field: value})

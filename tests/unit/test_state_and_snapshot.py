@@ -596,3 +596,19 @@ def test_read_slot_never_raises_on_a_truncated_file(tmp_path):
         with open(cut, "r+b") as f:
             f.truncate(n)
         assert read_slot(cut) is None, n
+
+
+def test_restoring_a_snapshot_of_another_model_is_refused_not_broadcast():
+    """Security review F13: ``copy_`` broadcasts and casts, so a [1] tensor "restored" into a
+    Linear(4, 3) weight filled it with one value. A shape or dtype mismatch is an error now,
+    and the live parameters are untouched."""
+    from hotspare.recovery.state import ModuleState
+
+    model = torch.nn.Linear(4, 3)
+    before = model.weight.detach().clone()
+    p = ModuleState(model, params=True)
+    with pytest.raises(ValueError, match=r"snapshot is of another model: .*weight: \(1,\)"):
+        p.load({"weight": torch.full((1,), 7.0), "bias": torch.zeros(3)}, None)
+    with pytest.raises(ValueError, match="float64"):
+        p.load({"weight": torch.zeros(3, 4, dtype=torch.float64), "bias": torch.zeros(3)}, None)
+    assert torch.equal(model.weight.detach(), before)

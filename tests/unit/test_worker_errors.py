@@ -6,6 +6,7 @@ newest epoch in etcd)."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -78,3 +79,26 @@ def test_hotspare_own_io_failing_is_not_a_code_error(tmp_path):
 def test_a_step_computed_on_a_broken_group_is_not_a_code_error():
     assert "its process group failed (allreduce failed)" in not_the_code(raised(_boom), session(error="allreduce failed"))
     assert not_the_code(raised(_boom), session(epoch=2, newest=3)) == "epoch 2 was superseded"
+
+
+def test_the_done_mark_is_retried_through_an_etcd_outage():
+    """Security review F21: mark_done sat outside any StoreError guard, so an etcd outage at
+    the moment a rank finished turned it into a crash (exit 1), handled as a failure."""
+    from hotspare.orchestrator.store import StoreUnavailable
+    from hotspare.recovery.session import until_stored
+
+    calls, beats = [], []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise StoreUnavailable("etcd down")
+
+    until_stored(flaky, deadline=time.monotonic() + 30, beat=lambda: beats.append(1), pause=0.01)
+    assert len(calls) == 3 and len(beats) == 2
+
+    def down():
+        raise StoreUnavailable("etcd gone for good")
+
+    with pytest.raises(StoreUnavailable, match="gone for good"):
+        until_stored(down, deadline=time.monotonic() + 0.05, pause=0.01)
