@@ -35,7 +35,6 @@ from hotspare.orchestrator.store import (
     Lease,
     LeaseLost,
     Node,
-    Report,
     Store,
     StoreError,
     World,
@@ -48,19 +47,18 @@ from .node_workers import (
     OomCounter,
     WorkerProc,
     WorkerState,
-    classify_exit,
     heartbeat_path,
     spawn_worker,
 )
 from .worker_link import (
     EXIT_STARTUP_ERROR,
-    EXIT_UNRECOVERABLE,
-    RUNNING,
     STATE_NAMES,
     WARM,
     Assignment,
     SpecTampered,
     WorkerEnv,
+    check_digest,
+    default_etcd_outage_limit,
     pin_spec,
 )
 from .zygote import Zygote, zygote_for_agent
@@ -73,13 +71,6 @@ __all__ = ["POLL", "Agent", "WorkerProc", "ring_buddies", "sweep_stale_run_dirs"
 log = logging.getLogger("hotspare.agent")
 
 POLL = 0.1  # worker supervision period: a worker death is reported within this
-
-
-def default_etcd_outage_limit(lease_ttl: float) -> float:
-    """How long an agent keeps its workers training without etcd before it gives up and
-    leaves (taking them along): long enough to ride out an etcd restart, short enough that
-    the processes of a job whose etcd is gone for good (``hotspare down``) do not linger."""
-    return max(60.0, 10 * lease_ttl)
 
 
 class Agent:
@@ -198,12 +189,7 @@ class Agent:
             try:
                 spec = self.js.spec()
                 if spec is not None and self._want_run in (None, spec.run_id):
-                    if self._want_digest and spec.digest() != self._want_digest:
-                        raise SpecTampered(
-                            f"the spec of job {self.job} in etcd (sha256 {spec.digest()[:16]}...) is not the one "
-                            f"submitted (sha256 {self._want_digest[:16]}...): someone with write access to etcd "
-                            "changed it; refusing to run it (resubmit the job, and restrict who can write etcd)")
-                    return spec
+                    return check_digest(self.job, spec, self._want_digest)
             except StoreError:
                 pass
             time.sleep(0.2)
@@ -427,17 +413,11 @@ class Agent:
                 self._spawn(slot)
 
     def _watch(self, w: WorkerProc, now: float) -> None:
-        """The watchdog: kill an assigned worker whose heartbeat stopped changing. ``now`` is
-        ``time.monotonic()``, the clock of ``assigned_at`` and ``last_change``."""
-        # liveness = the heartbeat record *changing*, timed on our own monotonic clock: immune
-        # to clock skew, to wall-clock steps and to reading a record mid-write (the time the
-        # worker writes into it is never compared with ours)
-        seen = w.hb.read()
-        if seen != w.last_hb:
-            w.last_hb, w.last_change = seen, now
-        silent = now - max(w.last_change, w.assigned_at)
-        if seen[0] == RUNNING and silent > self.hang_timeout:
-            log.warning("rank %d: no heartbeat for %.1fs (last %s): killing", w.rank, silent, seen)
+        """The watchdog: kill an assigned worker whose heartbeat stopped changing
+        (:meth:`WorkerProc.hung`; ``now`` is ``time.monotonic()``)."""
+        silent = w.hung(now, self.hang_timeout)
+        if silent:
+            log.warning("rank %d: no heartbeat for %.1fs (last %s): killing", w.rank, silent, w.last_hb)
             w.state = WorkerState.HANG_KILLED
             w.kill(wait=False)
 
@@ -445,17 +425,8 @@ class Agent:
         """Report a worker's failure to the controller; False if etcd refused. A worker whose
         job code could not start is reported for rank -1 (no seat is lost: the job cannot
         run anywhere), with its traceback."""
-        fatal = w.fatal_text() if code == EXIT_UNRECOVERABLE else None
-        raised = w.raised()
-        oom = code == -signal.SIGKILL and self._oom.rose()
-        kind, message = classify_exit(code, w.state is WorkerState.HANG_KILLED, fatal, w.proc.pid,
-                                      raised=raised, oom=oom)
-        sig = -code if code < 0 else None
-        rank = -1 if code == EXIT_STARTUP_ERROR else w.rank
-        step = raised.step if raised is not None else w.step()
-        rep = Report(node=self.node, rank=rank, epoch=w.epoch, kind=kind, exit_code=None if sig else code,
-                     signal=sig, time=now, message=message, step=-1 if rank < 0 else step,
-                     traceback=raised.traceback if raised is not None else "")
+        rep = w.exit_report(self.node, code, now, oom=code == -signal.SIGKILL and self._oom.rose())
+        rank, kind = rep.rank, rep.kind
         try:
             self.js.report(rep)
             self.js.event(EventKind.WORKER_EXIT, self.node, rep.message, rank=rank, node=self.node, kind=kind,
@@ -478,17 +449,11 @@ class Agent:
 
     def _spawn(self, slot: int, prewarm: bool = True) -> None:
         env = self._worker_base_env()
-        link = WorkerEnv(
-            job=self.job,
-            node=self.node,
-            incarnation=self.incarnation,
-            hb=str(heartbeat_path(self.run_dir, slot)),
-            log_dir=str(self.log_dir),
-            snap_dir=str(self.run_dir),
-            agent_pid=os.getpid(),
-            threads=int(env.get("HOTSPARE_THREADS", "1")),  # the job's env may set it
-            prewarm=prewarm,
-        )
+        link = WorkerEnv(job=self.job, node=self.node, incarnation=self.incarnation,
+                         hb=str(heartbeat_path(self.run_dir, slot)), log_dir=str(self.log_dir),
+                         snap_dir=str(self.run_dir), agent_pid=os.getpid(),
+                         threads=int(env.get("HOTSPARE_THREADS", "1")),  # the job's env may set it
+                         prewarm=prewarm)
         self.workers[slot] = spawn_worker(slot, link, env, self.zygote)
         if self.zygote is not None and self.zygote.lost:
             log.warning("zygote %s lost (%s): workers start as their own processes from now on",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from hotspare.orchestrator.store.records import last_line
+from hotspare.orchestrator.store.records import Report, last_line
 
 from .worker_link import (
     EXIT_ERROR,
@@ -103,6 +103,32 @@ class WorkerProc:
         while it ran a seat, -1 if it never ran one."""
         state, committed = self.hb.read()[:2]
         return committed + 1 if state >= RUNNING else -1
+
+    def hung(self, now: float, hang_timeout: float) -> float:
+        """The watchdog's check: seconds the assigned worker has been silent past
+        ``hang_timeout`` (0 if it is alive). ``now`` is ``time.monotonic()``, the clock of
+        ``assigned_at`` and ``last_change``: liveness is the heartbeat record *changing*,
+        timed on our own clock -- immune to clock skew, to wall-clock steps and to reading a
+        record mid-write (the time the worker writes into it is never compared with ours)."""
+        seen = self.hb.read()
+        if seen != self.last_hb:
+            self.last_hb, self.last_change = seen, now
+        silent = now - max(self.last_change, self.assigned_at)
+        return silent if seen[0] == RUNNING and silent > hang_timeout else 0.0
+
+    def exit_report(self, node: str, code: int, now: float, oom: bool) -> Report:
+        """The report of this worker's exit for the controller. A worker whose job code could
+        not start is reported for rank -1 (no seat is lost: the job cannot run anywhere)."""
+        fatal = self.fatal_text() if code == EXIT_UNRECOVERABLE else None
+        raised = self.raised()
+        kind, message = classify_exit(code, self.state is WorkerState.HANG_KILLED, fatal, self.proc.pid,
+                                      raised=raised, oom=oom)
+        sig = -code if code < 0 else None
+        rank = -1 if code == EXIT_STARTUP_ERROR else self.rank
+        step = raised.step if raised is not None else self.step()
+        return Report(node=node, rank=rank, epoch=self.epoch, kind=kind, exit_code=None if sig else code,
+                      signal=sig, time=now, message=message, step=-1 if rank < 0 else step,
+                      traceback=raised.traceback if raised is not None else "")
 
     def kill(self, wait: bool = True) -> None:
         try:

@@ -122,6 +122,25 @@ class SpecTampered(RuntimeError):
     """The job's spec in etcd is not the one that was submitted (or that the agent pinned)."""
 
 
+def default_etcd_outage_limit(lease_ttl: float) -> float:
+    """How long an agent keeps its workers training without etcd before it gives up and
+    leaves (taking them along), and how long a finished worker retries its done mark: long
+    enough to ride out an etcd restart, short enough that the processes of a job whose etcd
+    is gone for good (``hotspare down``) do not linger."""
+    return max(60.0, 10 * lease_ttl)
+
+
+def check_digest(job: str, spec: Any, want: str | None) -> Any:
+    """``spec`` if it is the one submitted (``want``: its digest from the launcher; None:
+    nothing to check), else :class:`SpecTampered` with the reason."""
+    if want and spec.digest() != want:
+        raise SpecTampered(
+            f"the spec of job {job} in etcd (sha256 {spec.digest()[:16]}...) is not the one submitted "
+            f"(sha256 {want[:16]}...): someone with write access to etcd changed it; refusing to run it "
+            "(resubmit the job, and restrict who can write etcd)")
+    return spec
+
+
 def pin_spec(run_dir: Path, spec: Any) -> Path:
     """Write the spec the agent validated into its private run directory (0700; the file
     0600). Its workers run this one: a worker never re-reads the spec from etcd, so whoever

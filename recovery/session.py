@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hotspare.agents.worker_link import EXIT_FENCED
+from hotspare.agents.worker_link import EXIT_FENCED, default_etcd_outage_limit
 from hotspare.orchestrator.spec import JobSpec
 from hotspare.orchestrator.store import EventKind, JobStore, Store, StoreError, events
 from hotspare.orchestrator.store.c10d import EtcdC10dStore, RendezvousAborted
@@ -307,7 +307,7 @@ class Session:
             pass
         # an etcd hiccup now must not turn a finished rank into a failure (security review F21)
         until_stored(lambda: self.js.mark_done(self.rank, self.epoch, total),
-                     deadline=time.monotonic() + max(60.0, 10 * self.spec.lease_ttl), beat=self._beat)
+                     deadline=time.monotonic() + default_etcd_outage_limit(self.spec.lease_ttl), beat=self._beat)
 
     def _beat(self, step: int | None = None) -> None:
         self._beat_fn(self.committed if step is None else step)
