@@ -19,6 +19,7 @@ For 1, 5 and 6 the traceback's end is left in :func:`~hotspare.agents.worker_lin
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import importlib.util
 import logging
@@ -264,6 +265,7 @@ def main() -> int:
         format=f"%(asctime)s %(levelname)s [{env.job} {env.node} pid{os.getpid()}] %(name)s: %(message)s",
     )
     logging.info(WORKER_STARTED)  # where this worker's part of its slot log begins (hotspare logs --rank)
+    faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) leaves every thread's stack in the log
     hb = Heartbeat(env.hb)
     try:
         warm = warm_up(env, hb)

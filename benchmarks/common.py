@@ -144,6 +144,89 @@ def shm_base() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
+# -- torchrun ----------------------------------------------------------------------------------
+def run_torchrun_cmd(cmd: Sequence[str], d: Path, fields: dict[str, Any], *, ranks: int, fail: bool,
+                     fail_step: int, run_timeout: float, keep_ckpt: bool) -> dict[str, Any]:
+    """Run one torchrun command ``cmd`` (built by the caller) in a fresh run directory ``d``
+    (log: ``d/torchrun.log``) and read its span from the workers' attempt records in
+    ``d/records`` (``a<attempt>-r<rank>-{start,end,kill}.json``; ``cmd`` must point the workers
+    there). The record starts with ``fields`` (run name and the like), then wall_s, rc, attempts,
+    span_s, final_loss and, with ``fail`` (one rank killed at ``fail_step``, one restart
+    expected), kill_to_resume_s / resumed_after_step / recomputed_steps; ``ok``, ``problems``
+    and ``log_tail`` say what went wrong. ``d/ckpt`` is removed afterwards unless ``keep_ckpt``."""
+    out = d / "records"
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    d.mkdir(parents=True, exist_ok=True)
+    log = d / "torchrun.log"
+    rec: dict[str, Any] = dict(fields)
+    problems = []
+    t0 = time.monotonic()
+    with open(log, "wb") as f:
+        p = subprocess.Popen(list(cmd), env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, cwd=d)
+        try:
+            rc = p.wait(run_timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+            problems.append(f"torchrun did not finish within {run_timeout:.0f}s (hang?); killed it")
+        rec["wall_s"] = round(time.monotonic() - t0, 3)
+        try:  # the whole group we started: torchrun and any worker it left behind
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        p.wait()
+    rec["rc"] = rc
+    if rc not in (0, None):
+        problems.append(f"torchrun exited with {rc}")
+
+    def load(pattern: str) -> dict[str, dict[str, Any]]:
+        got = {}
+        for fp in sorted(out.glob(pattern)):
+            try:
+                got[fp.name] = json.loads(fp.read_text())
+            except (OSError, ValueError):
+                pass
+        return got
+
+    starts, ends, kills = load("a*-r*-start.json"), load("a*-r*-end.json"), load("a*-r*-kill.json")
+    attempts = sorted({int(n[1:].split("-")[0]) for n in starts})
+    rec["attempts"] = len(attempts)
+    first = [v for n, v in starts.items() if n.startswith("a0-")]
+    last = attempts[-1] if attempts else 0
+    last_ends = [v for n, v in ends.items() if n.startswith(f"a{last}-")]
+    if len(first) < ranks or len(last_ends) < ranks:
+        problems.append(f"records: {len(first)} first-attempt starts, {len(last_ends)} ends of attempt {last} "
+                        f"(expected {ranks} each)")
+    else:
+        rec["span_s"] = round(max(e["t"] for e in last_ends) - max(s["t"] for s in first), 3)
+        rec["final_loss"] = next(e["final_loss"] for n, e in sorted(ends.items()) if n.startswith(f"a{last}-r0-"))
+    if fail:
+        if attempts != [0, 1]:
+            problems.append(f"attempts {attempts} (expected [0, 1]: one restart)")
+        if kills and len(attempts) > 1:
+            t_kill = min(k["t"] for k in kills.values())
+            again = [v for n, v in starts.items() if n.startswith("a1-")]
+            if again:
+                rec["kill_to_resume_s"] = round(max(s["t"] for s in again) - t_kill, 3)
+                rec["resumed_after_step"] = min(s["start_step"] for s in again) - 1
+                rec["recomputed_steps"] = fail_step - min(s["start_step"] for s in again)
+        elif not kills:
+            problems.append("no kill record: the failure was not injected")
+    elif len(attempts) != 1:
+        problems.append(f"{len(attempts)} attempts in a no-failure run")
+    rec["ok"] = not problems
+    if problems:
+        rec["problems"] = problems
+        try:
+            rec["log_tail"] = log.read_text(errors="replace")[-3000:]
+        except OSError:
+            pass
+    rec["final_dir"] = str(d / "final")
+    if not keep_ckpt:
+        shutil.rmtree(d / "ckpt", ignore_errors=True)
+    return rec
+
+
 # -- a private cluster ------------------------------------------------------------------------
 def gpt_job_spec(a: argparse.Namespace, name: str, args: dict[str, Any], *, entrypoint: str | None = None,
                  chaos: list[dict[str, Any]] | None = None) -> dict[str, Any]:

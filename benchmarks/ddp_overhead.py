@@ -78,12 +78,9 @@ benchmark print one ``ddp_overhead: FAILED: trial T RUN: problem`` line per prob
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -99,6 +96,7 @@ from common import (
     gpt_job_spec,
     machine_info,
     parse_args_smoke,
+    run_torchrun_cmd,
     summarize,
     table,
     write_json,
@@ -256,77 +254,10 @@ def run_torchrun(a: argparse.Namespace, workdir: Path, name: str, *, ckpt: bool,
         cmd += ["--fail-step", str(a.fail_step), "--fail-rank", str(a.fail_rank)]
     for k, v in train_args(a).items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
-    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-    d.mkdir(parents=True, exist_ok=True)
-    log = d / "torchrun.log"
-    rec: dict[str, Any] = {"run": name, "checkpoint_every": a.K if ckpt else None, "max_restarts": max_restarts,
-                           "buckets": buckets}
-    problems = []
-    t0 = time.monotonic()
-    with open(log, "wb") as f:
-        p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, cwd=d)
-        try:
-            rc = p.wait(a.run_timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-            problems.append(f"torchrun did not finish within {a.run_timeout:.0f}s (hang?); killed it")
-        rec["wall_s"] = round(time.monotonic() - t0, 3)
-        try:  # the whole group we started: torchrun and any worker it left behind
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        p.wait()
-    rec["rc"] = rc
-    if rc not in (0, None):
-        problems.append(f"torchrun exited with {rc}")
-
-    def load(pattern: str) -> dict[str, dict[str, Any]]:
-        got = {}
-        for fp in sorted(out.glob(pattern)):
-            try:
-                got[fp.name] = json.loads(fp.read_text())
-            except (OSError, ValueError):
-                pass
-        return got
-
-    starts, ends, kills = load("a*-r*-start.json"), load("a*-r*-end.json"), load("a*-r*-kill.json")
-    attempts = sorted({int(n[1:].split("-")[0]) for n in starts})
-    rec["attempts"] = len(attempts)
-    first = [v for n, v in starts.items() if n.startswith("a0-")]
-    last = attempts[-1] if attempts else 0
-    last_ends = [v for n, v in ends.items() if n.startswith(f"a{last}-")]
-    if len(first) < a.ranks or len(last_ends) < a.ranks:
-        problems.append(f"records: {len(first)} first-attempt starts, {len(last_ends)} ends of attempt {last} "
-                        f"(expected {a.ranks} each)")
-    else:
-        rec["span_s"] = round(max(e["t"] for e in last_ends) - max(s["t"] for s in first), 3)
-        rec["final_loss"] = next(e["final_loss"] for n, e in sorted(ends.items()) if n.startswith(f"a{last}-r0-"))
-    if fail:
-        if attempts != [0, 1]:
-            problems.append(f"attempts {attempts} (expected [0, 1]: one restart)")
-        if kills and len(attempts) > 1:
-            t_kill = min(k["t"] for k in kills.values())
-            again = [v for n, v in starts.items() if n.startswith("a1-")]
-            if again:
-                rec["kill_to_resume_s"] = round(max(s["t"] for s in again) - t_kill, 3)
-                rec["resumed_after_step"] = min(s["start_step"] for s in again) - 1
-                rec["recomputed_steps"] = a.fail_step - min(s["start_step"] for s in again)
-        elif not kills:
-            problems.append("no kill record: the failure was not injected")
-    elif len(attempts) != 1:
-        problems.append(f"{len(attempts)} attempts in a no-failure run")
-    rec["ok"] = not problems
-    if problems:
-        rec["problems"] = problems
-        try:
-            rec["log_tail"] = log.read_text(errors="replace")[-3000:]
-        except OSError:
-            pass
-    rec["final_dir"] = str(d / "final")
-    if not a.workdir:
-        shutil.rmtree(d / "ckpt", ignore_errors=True)
-    return rec
+    return run_torchrun_cmd(cmd, d, {"run": name, "checkpoint_every": a.K if ckpt else None,
+                                     "max_restarts": max_restarts, "buckets": buckets},
+                            ranks=a.ranks, fail=fail, fail_step=a.fail_step, run_timeout=a.run_timeout,
+                            keep_ckpt=bool(a.workdir))
 
 
 # -- final state -------------------------------------------------------------------------------
