@@ -145,13 +145,9 @@ def pin_spec(run_dir: Path, spec: Any) -> Path:
     """Write the spec the agent validated into its private run directory (0700; the file
     0600). Its workers run this one: a worker never re-reads the spec from etcd, so whoever
     can write a job's etcd keys cannot make the next (re)started worker import other code."""
-    path = Path(run_dir) / SPEC_FILE
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(spec.to_json())
-    os.replace(tmp, path)
-    return path
+    from hotspare.orchestrator.util import atomic_write
+
+    return atomic_write(Path(run_dir) / SPEC_FILE, spec.to_json(), fsync=False, mode=0o600)
 
 
 def pinned_spec(run_dir: str | Path, job: str) -> Any:

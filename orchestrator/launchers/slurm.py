@@ -37,6 +37,7 @@ from pathlib import Path
 
 from ..etcd_tls import client_options
 from ..spec import JobSpec
+from ..util import atomic_write
 from . import LEFT_BEHIND, LaunchError
 
 #: Slurm job states after which the allocation is gone.
@@ -171,18 +172,9 @@ def _control_plane_and_agents(f: dict[str, Path]) -> list[str]:
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` with mode 0600 whatever was there before: a new file
-    (O_EXCL, never through a link), then renamed over the old one. Opening the old file with
-    O_TRUNC kept its mode, 0644 say (security review F14)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # whatever the umask
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    """``text`` to ``path`` with mode 0600 whatever was there before: a new file renamed over
+    the old one (opening the old file with O_TRUNC kept its mode, 0644 say: review F14)."""
+    atomic_write(path, text, fsync=False, mode=0o600)
 
 
 def _run(cmd: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
