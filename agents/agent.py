@@ -40,15 +40,20 @@ from hotspare.orchestrator.store import (
     World,
 )
 from hotspare.orchestrator.store.records import BadRecord
+from hotspare.orchestrator.util import Waker
 
 from .node_chaos import NodeChaos
-from .node_services import NodeServices, ring_buddies, sweep_stale_run_dirs
+from .node_services import NodeServices, ring_buddies, ring_successors, sweep_stale_run_dirs
+from .node_view import Buddy
 from .node_workers import (
     OomCounter,
     WorkerProc,
     WorkerState,
+    follow_held,
     heartbeat_path,
     spawn_worker,
+    stop_workers,
+    worker_base_env,
 )
 from .worker_link import (
     EXIT_STARTUP_ERROR,
@@ -57,9 +62,9 @@ from .worker_link import (
     Assignment,
     SpecTampered,
     WorkerEnv,
-    check_digest,
     default_etcd_outage_limit,
     pin_spec,
+    wait_for_spec,
 )
 from .zygote import Zygote, zygote_for_agent
 
@@ -70,7 +75,12 @@ __all__ = ["POLL", "Agent", "WorkerProc", "ring_buddies", "sweep_stale_run_dirs"
 
 log = logging.getLogger("hotspare.agent")
 
-POLL = 0.1  # worker supervision period: a worker death is reported within this
+#: The loop's shortest sleep: a retry (a report etcd refused) and stopping the workers.
+#: Nothing on the steady path runs on it: the loop sleeps until something happens (a watch
+#: event, a worker's exit or ring, a lost lease, a signal) or a deadline it knows is due.
+POLL = 0.1
+#: Read the job this often even with no watch event: a lost watch costs this much latency.
+SAFETY_READ = 10.0
 
 
 class Agent:
@@ -102,7 +112,10 @@ class Agent:
         self.wait_for_job = wait_for_job
         self.worker_env = dict(env_for_workers or {})
         self.workers: dict[int, WorkerProc] = {}
-        self._wake = threading.Event()
+        self._wake = Waker()  # set by watches, exits, rings, a lost lease, stop() (signal-safe)
+        self._retry = False  # something failed and must be tried again soon (a report)
+        self._changed = True  # the job's keys changed since the loop last read them
+        self._buddies_of: tuple[int, list[Buddy]] = (-1, [])  # (epoch, ring buddies) last read
         self._stopping = False
         self.incarnation = ""
         self._lease: Lease | None = None
@@ -118,6 +131,7 @@ class Agent:
         self._outage_limit = etcd_outage_limit  # None: default_etcd_outage_limit(lease_ttl)
         self._etcd_seen = time.monotonic()  # when etcd last answered the loop
         self._trouble = ""  # what last kept the loop from following the job (logged once)
+        self._unreported = ""  # the last exit report etcd refused, and why (logged once)
         #: where warm workers come from (:mod:`hotspare.agents.zygote`): None, a zygote of our
         #: own; a socket path, a shared one; "off", none (every worker imports torch itself)
         self._zygote_at = zygote
@@ -133,7 +147,7 @@ class Agent:
     # -- life cycle -----------------------------------------------------------------------
     def run(self) -> int:
         try:
-            spec = self._wait_for_spec()
+            spec = wait_for_spec(self.js, self._want_run, self._want_digest, self.wait_for_job)
         except SpecTampered as e:
             log.error("%s", e)
             return EXIT_SPEC_TAMPERED
@@ -143,20 +157,23 @@ class Agent:
         self._start(spec)
         self._register()
         self._etcd_seen = time.monotonic()
-        cancel_watch = self.store.watch_prefix(self.js.keys.prefix, self._wake.set)
+        keys, prefixes = self.js.agent_keys(self.node)  # not the whole job: see JobStore.agent_keys
+        cancels = [self.store.watch_prefix(k, self._job_changed) for k in (*keys, *prefixes)]
         for slot in range(self.slots):  # an active node's first workers take their seats at once
             self._spawn(slot, prewarm=self.role == "spare")
         try:
             return self._loop()
         finally:
-            cancel_watch()
+            for cancel in cancels:
+                cancel()
             self._shutdown()
 
     def stop(self) -> None:
-        """Leave: :meth:`run` stops the workers, the services and the lease within one
-        poll, then returns. Safe in a signal handler: it only sets a flag (an event's lock
-        could be held by the very loop the signal interrupted)."""
+        """Leave: :meth:`run` stops the workers, the services and the lease, then returns.
+        Safe in a signal handler: a flag and one byte down the loop's wake-up pipe (no lock
+        the interrupted loop could hold)."""
         self._stopping = True
+        self._wake.set()
 
     @property
     def run_dir(self) -> Path:
@@ -176,28 +193,16 @@ class Agent:
                                      host=self.host, event=self._event).start()
         pin_spec(self.run_dir, spec)  # what every worker of this agent runs, never re-read from etcd
         self.chaos = NodeChaos(self.js, self.node, self.services, spec.lease_ttl)
-        self.zygote = zygote_for_agent(self._zygote_at, self._worker_base_env(),
+        self.zygote = zygote_for_agent(self._zygote_at, worker_base_env(self.spec, self.worker_env),
                                        self.log_dir / f"zygote-{self.node}.log")
         if self.zygote is not None:
             self.zygote.on_exit = self._wake.set  # a worker's exit wakes the loop at once
-
-    def _wait_for_spec(self) -> JobSpec | None:
-        """The job's spec once it is in etcd; with a run id given, the spec of that run (an
-        earlier run of the name may still be there)."""
-        deadline = time.monotonic() + self.wait_for_job
-        while time.monotonic() < deadline:
-            try:
-                spec = self.js.spec()
-                if spec is not None and self._want_run in (None, spec.run_id):
-                    return check_digest(self.job, spec, self._want_digest)
-            except StoreError:
-                pass
-            time.sleep(0.2)
-        return None
+        self.services.on_ring = self._wake.set  # a worker turned warm (or wrote a point)
 
     def _register(self) -> None:
         self.incarnation = uuid.uuid4().hex[:12]
         self._lease = self.store.lease(self.spec.lease_ttl)
+        self._lease.on_lost = self._wake.set
         self._publish(force=True)
         self.js.event(
             EventKind.NODE_JOINED,
@@ -237,16 +242,29 @@ class Agent:
             view = replace(view, checkpoint=snap.checkpoint)
             world = snap.world
             if world is not None:
-                buddies = ring_buddies(world, snap.nodes, self.node, self.spec.replicas)
+                buddies = self._buddies(world)
                 view = replace(view, epoch=world.epoch, world_size=world.size, buddies=tuple(buddies))
         self.services.publish(view)
+
+    def _buddies(self, world: World) -> list[Buddy]:
+        """The ring successors that hold this node's replicas, from their own records: the
+        next few of the ring are read (a live one is almost always among them), every
+        successor only when too few of those are alive. Cached per world."""
+        if self._buddies_of[0] == world.epoch:
+            return self._buddies_of[1]
+        k = self.spec.replicas
+        after = ring_successors(world, self.node)
+        found = ring_buddies(world, self.js.nodes(after[: 2 * k + 2]), self.node, k) if k > 0 else []
+        if len(found) < k and len(after) > 2 * k + 2:
+            found = ring_buddies(world, self.js.nodes(after), self.node, k)
+        self._buddies_of = (world.epoch, found)
+        return found
 
     # -- main loop ------------------------------------------------------------------------
     def _loop(self) -> int:
         last_read = 0.0
         while not self._stopping:
-            woke = self._wake.wait(POLL)
-            self._wake.clear()
+            self._wake.wait(self._sleep_for(last_read))
             if self.chaos.partitioned and not self.chaos.heal_if_due(self._lease):
                 self._etcd_seen = time.monotonic()  # cut off on purpose: not an outage
                 continue  # cut off: no etcd, no reports, no watchdog
@@ -256,7 +274,8 @@ class Agent:
                 if self._lease is not None and self._lease.lost.is_set():
                     self._fenced("lease lost")
                 now = time.monotonic()
-                if woke or now - last_read > 1.0:
+                if self._changed or now - last_read >= SAFETY_READ or self._retry:
+                    self._changed = False
                     last_read = now
                     if self._follow_job():
                         return 0
@@ -269,6 +288,7 @@ class Agent:
                 if self._etcd_gone():
                     return 1
                 log.warning("etcd: %s (training continues; retrying)", e)
+                self._changed = True  # read again after the pause
                 time.sleep(0.5)
             except BadRecord as e:  # etcd answered, with a record of the job we cannot read
                 self._etcd_seen = time.monotonic()
@@ -276,6 +296,25 @@ class Agent:
             except Exception as e:  # noqa: BLE001 - a record we cannot act on must not end the node
                 self._survive(e)
         return 0
+
+    def _job_changed(self) -> None:
+        """The watch on the job's keys fired (its thread): read the job on the next round."""
+        self._changed = True
+        self._wake.set()
+
+    def _sleep_for(self, last_read: float) -> float:
+        """How long the loop may sleep: until the next safety read of the job, the next
+        watchdog look at an assigned worker's heartbeat (a quarter of ``hang_timeout``: a hang
+        is caught within 1.25 x of it), a partition's heal, or a retry."""
+        if self._retry:
+            return POLL
+        now = time.monotonic()
+        t = last_read + SAFETY_READ - now
+        if any(w.state is WorkerState.ASSIGNED for w in self.workers.values()):
+            t = min(t, max(self.hang_timeout / 4, POLL))
+        if self.chaos.partitioned:
+            t = min(t, self.chaos.partitioned_until - now)
+        return max(t, 0.0)
 
     def _survive(self, e: Exception) -> None:
         """The loop raised (a job record it cannot read or act on): log it, once while it
@@ -302,7 +341,7 @@ class Agent:
         """Read the job once: take the seats its world gives us, run chaos sent to us.
         True once our run is over (the agent leaves): it ended, was cancelled, or the job's
         records are gone or belong to a newer submission of the name."""
-        snap = self.js.snapshot(progress=False)
+        snap = self.js.agent_snapshot(self.node)
         over = ("removed from etcd" if snap.spec is None
                 else f"now run {snap.run_id or '?'}, a new submission" if snap.run_id != self.run_id
                 else snap.state.value if snap.state.terminal
@@ -339,25 +378,13 @@ class Agent:
         # seats are matched by sid: a shrink renumbers ranks but keeps each survivor's sid
         mine = {world.sid(r): r for r in world.ranks_on(self.node, self.incarnation)}
         held = {w.sid: w for w in self.workers.values() if w.holds_seat}
-        self._follow_held(world, mine, held)
+        follow_held(world, mine, held, self.node)
         for sid in sorted(set(mine) - set(held)):
             rank = mine[sid]
             if self._lost_here.get(sid, -1) >= world.seats[rank].since:
                 continue  # its worker died here in this seat: the controller decides, not us
             if not self._take_seat(rank, sid, snap.epoch):
                 return
-
-    def _follow_held(self, world: World, mine: dict[int, int], held: dict[int, WorkerProc]) -> None:
-        """Stop the workers whose seats left this node; renumber the ones a shrink moved."""
-        for sid, w in held.items():
-            if sid not in mine:
-                if w.alive:
-                    log.warning("rank %d no longer belongs to %s at epoch %d: stopping its worker",
-                                w.rank, self.node, world.epoch)
-                    w.kill()
-            elif mine[sid] != w.rank:
-                log.info("rank %d on %s is rank %d from epoch %d on", w.rank, self.node, mine[sid], world.epoch)
-                w.rank, w.epoch = mine[sid], world.epoch  # reports must name the new seat
 
     def _take_seat(self, rank: int, sid: int, epoch: int) -> bool:
         """Hand seat (rank, sid) to a free worker, a warm one first. False if none is free."""
@@ -391,15 +418,17 @@ class Agent:
         # the watchdog times silence on the monotonic clock: a wall-clock step (NTP, a VM
         # resumed) must not make every busy worker look hung; reports carry wall time
         mono, now = time.monotonic(), time.time()
+        self._retry = False
         for slot, w in list(self.workers.items()):
             code = w.proc.poll()
             if code is None:
                 if w.state is WorkerState.ASSIGNED:
-                    self._watch(w, mono)
+                    w.watchdog(mono, self.hang_timeout)
                 continue
             startup = code == EXIT_STARTUP_ERROR  # the job's code cannot start: no respawn loop
             if (w.holds_seat and code != 0) or startup:
                 if not self._report_exit(w, code, now):
+                    self._retry = True
                     continue  # keep the record; retry next poll
             elif not w.holds_seat:
                 log.warning("warm worker pid %d exited with %s before assignment", w.proc.pid, code)
@@ -412,15 +441,6 @@ class Agent:
             elif not (w.holds_seat and code == 0):
                 self._spawn(slot)
 
-    def _watch(self, w: WorkerProc, now: float) -> None:
-        """The watchdog: kill an assigned worker whose heartbeat stopped changing
-        (:meth:`WorkerProc.hung`; ``now`` is ``time.monotonic()``)."""
-        silent = w.hung(now, self.hang_timeout)
-        if silent:
-            log.warning("rank %d: no heartbeat for %.1fs (last %s): killing", w.rank, silent, w.last_hb)
-            w.state = WorkerState.HANG_KILLED
-            w.kill(wait=False)
-
     def _report_exit(self, w: WorkerProc, code: int, now: float) -> bool:
         """Report a worker's failure to the controller; False if etcd refused. A worker whose
         job code could not start is reported for rank -1 (no seat is lost: the job cannot
@@ -432,37 +452,40 @@ class Agent:
             self.js.event(EventKind.WORKER_EXIT, self.node, rep.message, rank=rank, node=self.node, kind=kind,
                           detected=now, exit_code=code, step=rep.step)
         except StoreError as e:
-            log.warning("could not report rank %d exit yet: %s", rank, e)
+            if f"{rank} {e}" != self._unreported:  # retried every poll: said once while it lasts
+                self._unreported = f"{rank} {e}"
+                log.warning("could not report rank %d exit yet (retrying): %s", rank, e)
             return False
         log.warning("rank %d: %s", rank, rep.message)
         return True
 
     # -- workers --------------------------------------------------------------------------
-    def _worker_base_env(self) -> dict[str, str]:
-        """Every worker's environment but its own ``HOTSPARE_*`` contract."""
-        env = dict(os.environ)
-        env.update({k: str(v) for k, v in self.spec.env.items()})
-        env.update(self.worker_env)
-        if self.spec.backend == "local":
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        return env
-
     def _spawn(self, slot: int, prewarm: bool = True) -> None:
-        env = self._worker_base_env()
+        env = worker_base_env(self.spec, self.worker_env)
         link = WorkerEnv(job=self.job, node=self.node, incarnation=self.incarnation,
                          hb=str(heartbeat_path(self.run_dir, slot)), log_dir=str(self.log_dir),
                          snap_dir=str(self.run_dir), agent_pid=os.getpid(),
                          threads=int(env.get("HOTSPARE_THREADS", "1")),  # the job's env may set it
                          prewarm=prewarm)
-        self.workers[slot] = spawn_worker(slot, link, env, self.zygote)
+        w = self.workers[slot] = spawn_worker(slot, link, env, self.zygote)
+        if isinstance(w.proc, subprocess.Popen):  # a forked worker's exit comes from the zygote
+            threading.Thread(target=self._wake_on_exit, args=(w.proc,), name=f"exit-{w.proc.pid}",
+                             daemon=True).start()
         if self.zygote is not None and self.zygote.lost:
             log.warning("zygote %s lost (%s): workers start as their own processes from now on",
                         self.zygote.path, self.zygote.lost)
             self.zygote.close()
             self.zygote = None
 
+    def _wake_on_exit(self, proc: subprocess.Popen) -> None:
+        """Block until ``proc`` exits, then wake the loop (no supervision poll)."""
+        try:
+            proc.wait()
+        finally:
+            self._wake.set()
+
     def _shutdown(self) -> None:
-        self._stop_workers()
+        stop_workers(self.workers.values())
         if self.zygote is not None:
             self.zygote.close()
         self.services.stop()
@@ -473,26 +496,3 @@ class Agent:
                 pass
             self._lease.revoke()
         self.services.remove_run_dir()
-
-    def _stop_workers(self) -> None:
-        # ranks that passed the final barrier are writing their last records: let them
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline and any(w.holds_seat and w.alive for w in self.workers.values()):
-            time.sleep(0.05)
-        for w in self.workers.values():
-            if not w.holds_seat and w.proc.stdin is not None:
-                try:
-                    w.proc.stdin.close()  # a warm worker leaves on EOF
-                except OSError:
-                    pass
-            else:
-                try:
-                    w.proc.terminate()
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 5
-        for w in self.workers.values():
-            try:
-                w.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                w.proc.kill()

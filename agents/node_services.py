@@ -8,15 +8,19 @@ main loop publishes a :class:`~hotspare.agents.node_view.NodeView` and they read
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from hotspare.orchestrator.spec import JobSpec
 from hotspare.orchestrator.store import Node, World
 from hotspare.orchestrator.util import pid_alive
+from hotspare.recovery.bell import AGENT_BELL, Bell, Ringer
 
 from .node_view import Buddy, NodeView
 from .persist import Persister
@@ -28,28 +32,68 @@ def shm_base() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
+#: The lock file in every run directory: its agent holds an exclusive ``flock`` on it for as
+#: long as it lives, so a sweeper in any PID namespace sharing this ``/dev/shm`` can tell.
+OWNER = ".owner"
+#: A run directory without an owner file is swept only once it is older than this (an agent
+#: creates the file right after the directory: microseconds; older agents never did).
+UNCLAIMED_GRACE_S = 60.0
+
+
+def claim_run_dir(run_dir: Path) -> int:
+    """Create ``run_dir``'s owner file and lock it; the returned descriptor holds the lock
+    until it is closed or the process dies (the kernel drops it then, whatever killed us)."""
+    fd = os.open(run_dir / OWNER, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def _owner_gone(d: Path) -> bool:
+    """True when nobody holds ``d``'s owner lock, or (no owner file) the directory is old and
+    the PID in its name is not alive here. A PID is only meaningful in this PID namespace:
+    agents in containers that share ``/dev/shm`` (``--ipc=host``) see each other's directories
+    with PIDs that mean nothing here, and the lock is what tells them apart."""
+    try:
+        fd = os.open(d / OWNER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        pid = d.name.rsplit("-", 2)[-2] if d.name.count("-") >= 3 else ""
+        try:
+            old = time.time() - d.lstat().st_mtime > UNCLAIMED_GRACE_S
+        except OSError:
+            return False
+        return old and pid.isdigit() and not pid_alive(int(pid))
+    except OSError:
+        return False  # a symlink, or not ours to read: leave it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # its agent is alive, in this namespace or another
+    finally:
+        os.close(fd)
+    return True
+
+
 def sweep_stale_run_dirs(base: Path) -> None:
     """Remove snapshot directories of agents that died without cleaning up (SIGKILL, node
-    loss): their shared memory would otherwise stay allocated until reboot."""
+    loss): their shared memory would otherwise stay allocated until reboot. A directory is
+    stale when nobody holds its owner lock (see :func:`_owner_gone`); symlinks are never
+    followed."""
     for d in base.glob("hotspare-*"):
-        pid = d.name.rsplit("-", 2)[-2] if d.name.count("-") >= 3 else ""
-        if d.is_dir() and pid.isdigit() and not pid_alive(int(pid)):
+        if d.is_dir() and not d.is_symlink() and _owner_gone(d):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def ring_successors(world: World, me: str) -> list[str]:
+    """The other nodes of ``world`` in ring order, starting after ``me`` (:meth:`World.successors`)."""
+    return world.successors(me)
 
 
 def ring_buddies(world: World, nodes: Mapping[str, Node], me: str, k: int) -> list[Buddy]:
     """The ``k`` nodes after ``me`` in ring order (nodes of the world, in seat order) that
-    hold this node's replicas; never this node itself."""
-    ring: list[str] = []
-    for seat in world.seats:
-        if seat.node not in ring:
-            ring.append(seat.node)
-    if me not in ring or k <= 0:
-        return []
-    i = ring.index(me)
+    hold this node's replicas; never this node itself. ``nodes`` needs only the records of
+    the successors: a dead one (no record, or no replica port) is skipped."""
     out = []
-    for j in range(1, len(ring)):
-        name = ring[(i + j) % len(ring)]
+    for name in ring_successors(world, me) if k > 0 else []:
         n = nodes.get(name)
         if n is not None and n.replica_port:
             out.append((name, n.host, n.replica_port))
@@ -73,12 +117,26 @@ class NodeServices:
         # per run and per agent process: a new run of the job name never reads an old one's slots
         run = f"{spec.run_id}-" if spec.run_id else ""
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"hotspare-{job}-{node}-{run}{os.getpid()}-", dir=base))
+        self._owner = claim_run_dir(self.run_dir)
         self._view = NodeView(world_size=spec.ranks)
         self._replicate = spec.replication_enabled
         replicas = ReplicaStore(self.run_dir)
         self.server = ReplicaServer(replicas, secret, host=host)
         self.replicator = Replicator(replicas, secret, view=self.view)
         self.persister = Persister(self.run_dir, spec, job=job, view=self.view, event=event)
+        # workers ring it when a snapshot point starts or completes and when they turn warm
+        self.bell = Bell(self.run_dir / AGENT_BELL)
+        self.on_ring: Callable[[], object] = lambda: None  # the agent's wake-up
+        self._bell_thread = threading.Thread(target=self._answer_bell, name="agent-bell", daemon=True)
+        self._closing = False
+
+    def _answer_bell(self) -> None:
+        """Each ring kicks the services and wakes the agent's loop; nothing polls meanwhile."""
+        while not self._closing:
+            if self.bell.wait(None) and not self._closing:
+                self.replicator.kick()
+                self.persister.kick()
+                self.on_ring()
 
     @property
     def port(self) -> int:
@@ -89,10 +147,16 @@ class NodeServices:
         return self._view
 
     def publish(self, view: NodeView) -> None:
-        """Called by the agent's main loop only: one attribute swap, atomic under the GIL."""
+        """Called by the agent's main loop only: one attribute swap, atomic under the GIL.
+        A changed view (new seats, buddies, a requested checkpoint) kicks the services."""
+        changed = view != self._view
         self._view = view
+        if changed:
+            self.replicator.kick()
+            self.persister.kick()
 
     def start(self) -> NodeServices:
+        self._bell_thread.start()
         self.server.start()
         if self._replicate:
             self.replicator.start()
@@ -106,6 +170,8 @@ class NodeServices:
         self.replicator.paused = paused
 
     def stop(self) -> None:
+        self._closing = True
+        Ringer(self.bell.path).ring()  # unblocks the bell's thread
         self.replicator.stop()
         self.persister.stop()
         self.server.stop()
@@ -118,3 +184,8 @@ class NodeServices:
             self.run_dir.rmdir()
         except OSError:
             pass
+        finally:
+            self.bell.close()
+            if self._owner >= 0:
+                os.close(self._owner)
+                self._owner = -1

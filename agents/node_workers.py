@@ -13,12 +13,13 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from hotspare.orchestrator.store.records import Report, last_line
+from hotspare.orchestrator.spec import JobSpec
+from hotspare.orchestrator.store.records import Report, World, last_line
 
 from .worker_link import (
     EXIT_ERROR,
@@ -130,6 +131,15 @@ class WorkerProc:
                       signal=sig, time=now, message=message, step=-1 if rank < 0 else step,
                       traceback=raised.traceback if raised is not None else "")
 
+    def watchdog(self, now: float, hang_timeout: float) -> None:
+        """Kill this assigned worker if its heartbeat stopped changing (:meth:`hung`; ``now``
+        is ``time.monotonic()``): its exit is then reported as a hang."""
+        silent = self.hung(now, hang_timeout)
+        if silent:
+            log.warning("rank %d: no heartbeat for %.1fs (last %s): killing", self.rank, silent, self.last_hb)
+            self.state = WorkerState.HANG_KILLED
+            self.kill(wait=False)
+
     def kill(self, wait: bool = True) -> None:
         try:
             self.proc.kill()
@@ -140,6 +150,57 @@ class WorkerProc:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def follow_held(world: World, mine: dict[int, int], held: dict[int, WorkerProc], node: str) -> None:
+    """Stop the workers whose seats left ``node`` in ``world``; renumber the ones a shrink
+    moved (``mine``: sid -> rank of this node's seats; ``held``: sid -> worker holding it)."""
+    for sid, w in held.items():
+        if sid not in mine:
+            if w.alive:
+                log.warning("rank %d no longer belongs to %s at epoch %d: stopping its worker",
+                            w.rank, node, world.epoch)
+                w.kill()
+        elif mine[sid] != w.rank:
+            log.info("rank %d on %s is rank %d from epoch %d on", w.rank, node, mine[sid], world.epoch)
+            w.rank, w.epoch = mine[sid], world.epoch  # reports must name the new seat
+
+
+def stop_workers(workers: Iterable[WorkerProc]) -> None:
+    """Stop a node's workers: ranks past the final barrier get 3 s to write their last
+    records, warm ones leave on EOF, the rest get SIGTERM and, 5 s later, SIGKILL."""
+    workers = list(workers)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and any(w.holds_seat and w.alive for w in workers):
+        time.sleep(0.05)
+    for w in workers:
+        if not w.holds_seat and w.proc.stdin is not None:
+            try:
+                w.proc.stdin.close()  # a warm worker leaves on EOF
+            except OSError:
+                pass
+        else:
+            try:
+                w.proc.terminate()
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 5
+    for w in workers:
+        try:
+            w.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+
+
+def worker_base_env(spec: JobSpec, extra: Mapping[str, str]) -> dict[str, str]:
+    """Every worker's environment but its own ``HOTSPARE_*`` contract: the agent's, the
+    spec's ``env``, then what the agent's launcher added."""
+    env = dict(os.environ)
+    env.update({k: str(v) for k, v in spec.env.items()})
+    env.update(extra)
+    if spec.backend == "local":
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
 
 
 def classify_exit(returncode: int, hang_killed: bool, fatal_text: str | None, pid: int, *,

@@ -40,8 +40,10 @@ class Persister(PeriodicWorker):
         job: str,
         view: Callable[[], NodeView],
         event: Callable[..., None],
-        interval: float = 0.02,
+        interval: float = 1.0,
     ) -> None:
+        # kicked by the agent's bell when a point starts or completes; the interval is a
+        # safety net for a lost ring, and paces the retries of a failed write
         super().__init__("persister", interval)
         self.run_dir = run_dir
         self.slots = SlotDir(run_dir)

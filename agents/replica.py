@@ -1,7 +1,8 @@
 """Peer replicas: each agent serves and stores snapshots for its job, off the step path.
 
 * :class:`ReplicaStore` -- the snapshots on this node: its workers' slot files (named by
-  :class:`hotspare.recovery.slotfile.SlotDir`) and the replicas its buddies pushed to it.
+  :class:`hotspare.recovery.slotfile.SlotDir`) and the replicas its buddies pushed to it
+  (:mod:`hotspare.agents.replica_store`; served and kept as streams, never read whole into memory).
 * :class:`ReplicaServer` answers ``list`` (which steps of a sid do you hold?), ``get``
   (send me sid s at step n) and ``put`` (keep this replica) over authenticated,
   frames MACed over header and body (:mod:`hotspare.recovery.wire`). It serves the snapshot slots its own workers
@@ -17,115 +18,30 @@ The protocol (``HSP1``, now ``HSP2``) calls the state id ``"rank"`` on the wire;
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import queue
-import re
 import socket
 import socketserver
 import threading
 import time
-from collections.abc import Callable, Collection
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
 from hotspare.orchestrator.util import PeriodicWorker
 from hotspare.recovery.replica_client import fetch, fetch_first, list_steps  # noqa: F401 - re-exported (deprecated here)
-from hotspare.recovery.slotfile import (
-    COMPLETE,
-    SlotDir,
-    read_slot,
-    slot_ctrl,
-    slot_steps,
-    write_confirmation,
+from hotspare.recovery.wire import (
+    Channel,
+    FileBody,
+    Sink,
+    SnapshotCheck,
+    WireError,
+    validate_snapshot,
 )
-from hotspare.recovery.wire import Channel, WireError, checksums, validate_snapshot
 
 from .node_view import Buddy, NodeView
+from .replica_store import KEEP, ReplicaSink, ReplicaStore  # noqa: F401 - KEEP, ReplicaStore re-exported
 
 log = logging.getLogger("hotspare.replica")
-
-KEEP = 3  # replicas kept per sid
-_REPLICA = re.compile(r"^replica-rank(\d+)-step(-?\d+)\.bin\Z")
-
-
-class ReplicaStore:
-    """Snapshots on this node: local worker slots plus replicas pushed by peers.
-
-    Every method takes a *sid* (the seat's state id: the name of the slot files), never a
-    rank: after a shrink renumbers ranks, ``rank5.point0`` still belongs to sid 5."""
-
-    def __init__(self, directory: Path) -> None:
-        self.dir = directory
-        self.slots = SlotDir(directory)
-
-    def replica_path(self, sid: int, step: int) -> Path:
-        """Where a peer's replica of ``sid`` at ``step`` is kept."""
-        return self.dir / f"replica-rank{sid}-step{step}.bin"
-
-    def steps(self, sid: int) -> dict[int, str]:
-        """step -> where (``slot``, ``point`` or ``replica``) for every complete snapshot
-        of ``sid`` on this node."""
-        out: dict[int, str] = {}
-        for p in self.dir.iterdir():
-            parsed = SlotDir.parse(p.name)
-            if parsed and parsed[0] == sid:
-                st = slot_steps(p)
-                if st and st[0] == COMPLETE:
-                    out[st[1]] = parsed[1]
-            m = _REPLICA.match(p.name)
-            if m and int(m.group(1)) == sid:
-                out.setdefault(int(m.group(2)), "replica")
-        return out
-
-    def points(self, sid: int) -> list[tuple[int, int]]:
-        """(step, seq) of each complete replication point of a local sid: reads two 64-byte
-        control blocks, no directory listing (this runs 20 times a second)."""
-        return [(c[1], c[2]) for p in self.slots.points(sid) if (c := slot_ctrl(p)) and c[0] == COMPLETE]
-
-    def newest_point(self, sid: int, ignore: Collection[int] = ()) -> tuple[int, int] | None:
-        """The newest of ``points(sid)`` whose seq is not in ``ignore``."""
-        mine = [p for p in self.points(sid) if p[1] not in ignore]
-        return max(mine) if mine else None
-
-    def load(self, sid: int, step: int, seq: int | None = None) -> tuple[dict, bytes] | None:
-        """Header (with checksums) and body of sid's snapshot at step (and of that write,
-        if ``seq`` is given), or None."""
-        for p in self.slots.files(sid):
-            got = read_slot(p)
-            if got and got[0]["step"] == step and seq in (None, got[2]):
-                header, data, _ = got
-                header = dict(header, crc=checksums(header["tensors"], data))
-                return header, bytes(data)
-        try:
-            raw = self.replica_path(sid, step).read_bytes()
-        except FileNotFoundError:
-            return None
-        hlen = int.from_bytes(raw[:8], "little")
-        return json.loads(raw[8 : 8 + hlen]), raw[8 + hlen :]
-
-    def confirm(self, sid: int, step: int, seq: int | None = None) -> None:
-        """Tell sid's worker that its point ``step`` (the write ``seq``; default: the one
-        in its point slots now) is safely replicated."""
-        if seq is None:
-            seq = next((q for s, q in self.points(sid) if s == step), 0)
-        write_confirmation(self.slots.confirmation(sid), step, seq)
-
-    def save(self, header: dict, body: bytes) -> None:
-        """Keep a peer's replica (``header["rank"]`` is its sid: the wire's name for it).
-        Written in pieces, not through :func:`hotspare.orchestrator.util.atomic_write`, so that a
-        large body is never copied once more in memory; shared memory needs no fsync."""
-        sid, step = int(header["rank"]), int(header["step"])
-        hb = json.dumps(header, separators=(",", ":")).encode()
-        tmp = self.dir / f".tmp-replica-{sid}-{os.getpid()}-{threading.get_ident()}"
-        with open(tmp, "wb") as f:
-            f.write(len(hb).to_bytes(8, "little"))
-            f.write(hb)
-            f.write(body)
-        os.replace(tmp, self.replica_path(sid, step))
-        reps = sorted(s for s, where in self.steps(sid).items() if where == "replica")
-        for old in reps[:-KEEP]:
-            self.replica_path(sid, old).unlink(missing_ok=True)
 
 
 #: a stranger on the replica port gets this long to answer the challenge (was the wire's 10 s)
@@ -156,12 +72,24 @@ class _Handler(socketserver.BaseRequestHandler):
             self.request.settimeout(IDLE_TIMEOUT)
             while True:
                 try:
-                    header, body = ch.recv()
+                    header, body = ch.recv(into=srv.owner.sink_for)
                 except WireError as e:
                     if "closed" not in str(e):
                         log.warning("rejected frame from %s: %s", self.client_address[0], e)
                     return
-                ch.send(*srv.answer(header, body))
+                try:
+                    reply, out = srv.answer(header, body)
+                finally:
+                    if isinstance(body, ReplicaSink):
+                        body.abort()  # nothing of a put is left behind unless answer() put it in place
+                try:
+                    ch.send(reply, out)
+                except WireError as e:  # a slot rewritten while it was sent: the peer drops the frame
+                    log.info("answer to %s cut short: %s", self.client_address[0], e)
+                    return
+                finally:
+                    if isinstance(out, FileBody):
+                        out.close()
         except OSError:
             return
         finally:
@@ -181,7 +109,7 @@ class _Server(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
     request_queue_size = 128  # a burst of connections waits in the kernel, not in SYN retries
     secret: bytes
-    answer: Callable[[dict, bytes], tuple[dict, bytes]]
+    answer: Callable[[dict, Any], tuple[dict, Any]]
     owner: ReplicaServer
 
     def __init__(self, address: tuple[str, int], handler: type[socketserver.BaseRequestHandler]) -> None:
@@ -264,12 +192,29 @@ class ReplicaServer:
         self._srv.shutdown()
         self._srv.server_close()
 
-    def answer(self, header: dict, body: bytes) -> tuple[dict, bytes]:
+    def sink_for(self, header: dict, n: int) -> Sink | None:
+        """Where the body of a frame goes: a ``put`` of a well-formed snapshot straight into a
+        replica file (:class:`~hotspare.agents.replica_store.ReplicaSink`); anything else into
+        memory (:meth:`answer` refuses a malformed put, saying why)."""
+        snap = header.get("snapshot")
+        if header.get("op") != "put" or not n or not isinstance(snap, dict) or not isinstance(snap.get("step"), int):
+            return None
+        try:
+            sid = int(header.get("rank", -1))
+            check = SnapshotCheck(snap, n)  # its tensor table against the body's length
+        except (WireError, ValueError, TypeError):
+            return None
+        return self.store.receiving(dict(snap, rank=sid), check, n) if sid >= 0 else None
+
+    def answer(self, header: dict, body: Any) -> tuple[dict, Any]:
+        """The reply to one request, and its body (a FileBody for a snapshot: close it)."""
         op = header.get("op")
         try:
             sid = int(header.get("rank", -1))  # HSP1's name for the sid
             if op == "list":
-                return {"ok": True, "steps": sorted(self.store.steps(sid))}, b""
+                timelines = self.store.timelines(sid)  # step -> timeline: one state per step (F20)
+                return {"ok": True, "steps": sorted(self.store.steps(sid)),
+                        "timelines": {str(k): v for k, v in timelines.items()}}, b""
             if op == "get":
                 got = self.store.load(sid, int(header["step"]))
                 if got is None:  # "rank" in the text: what peers of HSP1 have always read
@@ -282,8 +227,13 @@ class ReplicaServer:
                 snap = header.get("snapshot")
                 if not isinstance(snap, dict) or not isinstance(snap.get("step"), int):
                     raise WireError("put without a snapshot header")
-                validate_snapshot(snap, body)
-                self.store.save(dict(snap, rank=sid), body)
+                if isinstance(body, ReplicaSink) and body.error is not None:  # no room: the store said so
+                    return {"ok": False, "error": body.error}, b""
+                if isinstance(body, ReplicaSink):
+                    body.keep()  # its CRC32s were computed as it arrived
+                else:
+                    validate_snapshot(snap, body)
+                    self.store.save(dict(snap, rank=sid), body)
                 return {"ok": True}, b""
         except (WireError, KeyError, ValueError, TypeError) as e:
             log.warning("rejected %s request: %s", op, e)
@@ -291,8 +241,16 @@ class ReplicaServer:
         return {"ok": False, "error": f"unknown op {op!r}"}, b""
 
 
+#: How often the replicator looks without being kicked: a ring on the agent's bell (a point
+#: completed) or a new view kicks it at once; this only bounds the cost of a ring that got
+#: lost, and paces retries to a buddy that did not answer.
+SAFETY_INTERVAL = 1.0
+
+
 class Replicator(PeriodicWorker):
     """Push each new complete local point to this node's ring buddies, then confirm it.
+    Event-driven: it runs when kicked (see :class:`~hotspare.agents.node_services.NodeServices`)
+    and otherwise every ``SAFETY_INTERVAL`` seconds.
 
     Its bookkeeping (``sent``, ``confirmed``, ``stale``) belongs to its own thread: the
     agent's thread reads nothing of it and changes it only through :meth:`forget`, which
@@ -303,7 +261,7 @@ class Replicator(PeriodicWorker):
         store: ReplicaStore,
         secret: bytes,
         view: Callable[[], NodeView],
-        interval: float = 0.05,
+        interval: float = SAFETY_INTERVAL,
     ) -> None:
         super().__init__("replicator", interval)
         self.store = store
@@ -331,6 +289,7 @@ class Replicator(PeriodicWorker):
         Runs on the agent's thread, so it only posts the request. The points the earlier
         worker left are read now, before the new worker can write one of its own."""
         self._forgotten.put((sid, {seq for _, seq in self.store.points(sid)}))
+        self.kick()
 
     def _apply_forgotten(self) -> None:
         while True:
@@ -367,16 +326,20 @@ class Replicator(PeriodicWorker):
                 if got is None:
                     return  # overwritten while reading; next round
                 header, body = got
-                for name, host, port in todo:
-                    if self._send(name, host, port, sid, header, body):
-                        self.sent[(sid, name)] = newest
+                try:
+                    for name, host, port in todo:
+                        if self._send(name, host, port, sid, header, body):
+                            self.sent[(sid, name)] = newest
+                finally:
+                    if isinstance(body, FileBody):
+                        body.close()
             if not all(self.sent.get((sid, b[0])) == newest for b in buddies):
                 return
         if self.confirmed.get(sid) != newest:
             self.store.confirm(sid, *newest)
             self.confirmed[sid] = newest
 
-    def _send(self, name: str, host: str, port: int, sid: int, header: dict, body: bytes) -> bool:
+    def _send(self, name: str, host: str, port: int, sid: int, header: dict, body: bytes | FileBody) -> bool:
         try:
             ch = self._channels.get(name)
             if ch is None:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from hotspare.orchestrator.store import JobStore, Store, StoreError
 from hotspare.orchestrator.store.records import traceback_tail
+from hotspare.recovery.bell import AGENT_BELL, Ringer
 
 from .worker_link import (
     EXIT_ERROR,
@@ -144,6 +145,10 @@ def warm_up(env: WorkerEnv, hb: Heartbeat) -> tuple[Store, JobSpec, Callable] | 
     if callable(warm):  # the job's own warm-up (load data, build caches) before any rank
         _job_code(hb, "its warmup()", lambda: warm(**spec.args))
     hb.beat(-1, WARM)
+    if env.snap_dir:  # the agent publishes its warm count when rung, not by polling
+        bell = Ringer(Path(env.snap_dir) / AGENT_BELL)
+        bell.ring()
+        bell.close()
     return store, spec, fn
 
 

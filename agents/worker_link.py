@@ -141,6 +141,24 @@ def check_digest(job: str, spec: Any, want: str | None) -> Any:
     return spec
 
 
+def wait_for_spec(js: Any, want_run: str | None, want_digest: str | None, timeout: float) -> Any:
+    """The job's spec once it is in etcd (``js``: its JobStore), None after ``timeout`` s;
+    with ``want_run``, the spec of that run (an earlier run of the name may still be there),
+    checked against ``want_digest`` (:func:`check_digest`)."""
+    from hotspare.orchestrator.store.errors import StoreError
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            spec = js.spec()
+            if spec is not None and want_run in (None, spec.run_id):
+                return check_digest(js.job, spec, want_digest)
+        except StoreError:
+            pass
+        time.sleep(0.2)
+    return None
+
+
 def pin_spec(run_dir: Path, spec: Any) -> Path:
     """Write the spec the agent validated into its private run directory (0700; the file
     0600). Its workers run this one: a worker never re-reads the spec from etcd, so whoever

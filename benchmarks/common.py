@@ -249,6 +249,28 @@ def gpt_job_spec(a: argparse.Namespace, name: str, args: dict[str, Any], *, entr
     return spec
 
 
+def etcd_requests(endpoint: str) -> dict[str, float]:
+    """gRPC requests etcd has handled since it started, per method (``Range``, ``Put``, ``Txn``,
+    ``LeaseKeepAlive`` streams' messages are not counted: only unary calls and stream opens),
+    from its Prometheus ``/metrics`` page on the client URL."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(endpoint.rstrip("/") + "/metrics", timeout=10) as r:  # noqa: S310 - loopback
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("grpc_server_handled_total{"):
+            m = re.search(r'grpc_method="([^"]+)"', line)
+            if m:
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("grpc_server_msg_received_total{") and 'grpc_method="LeaseKeepAlive"' in line:
+            out["LeaseKeepAlive msgs"] = out.get("LeaseKeepAlive msgs", 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("grpc_server_msg_received_total{") and 'grpc_method="Watch"' in line:
+            out["Watch msgs"] = out.get("Watch msgs", 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 class BenchCluster:
     """A private etcd on a free loopback port plus one controller; runs jobs with
     ``python -m hotspare.orchestrator.cli run SPEC --json`` and cleans up after each one (leftover

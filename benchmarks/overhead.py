@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -89,12 +90,21 @@ def replicator_main(snap_dir: str) -> int:
     them. Prints the buddy port, runs until stdin closes, then prints what it shipped."""
     from hotspare.agents.node_view import NodeView
     from hotspare.agents.replica import ReplicaServer, ReplicaStore, Replicator
+    from hotspare.recovery.bell import AGENT_BELL, Bell
 
     secret = os.urandom(32)
     buddy_dir = Path(tempfile.mkdtemp(prefix="hotspare-bench-buddy-", dir=shm_base()))
     server = ReplicaServer(ReplicaStore(buddy_dir), secret).start()
     view = NodeView(epoch=1, world_size=1, buddies=(("buddy", "127.0.0.1", server.port),), seats={0: 0})
     rep = Replicator(ReplicaStore(Path(snap_dir)), secret, view=lambda: view).start()
+    bell = Bell(Path(snap_dir) / AGENT_BELL)  # rung by the engine at each point, as for a real agent
+
+    def answer() -> None:
+        while True:
+            if bell.wait(None):
+                rep.kick()
+
+    threading.Thread(target=answer, daemon=True).start()
     print(json.dumps({"port": server.port}), flush=True)
     sys.stdin.read()
     rep.stop()

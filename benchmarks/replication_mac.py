@@ -7,11 +7,12 @@ client (``Channel.client`` + ``put`` as the agent's ``Replicator`` sends it; ``f
 restore gets it) for each *variant* of the wire:
 
 * ``after``  -- ``recovery/wire.py`` and ``recovery/replica_client.py`` of this working tree;
-* ``before`` -- the same two files from git (``--before REV``; by default the newest commit whose
-  ``wire.py`` still has the old frame, magic ``HSF1``), or from a directory holding a copy of
-  them (``--before DIR``). They are loaded as ``hotspare.recovery.wire`` /
-  ``hotspare.recovery.replica_client`` before anything imports those names, so the server (the
-  working tree's ``agents/replica.py``) and the client both speak the old wire.
+* ``before`` -- the same two files and the server's ``agents/replica.py`` from git (``--before
+  REV``; by default the newest commit whose ``wire.py`` still has the old frame, magic ``HSF1``),
+  or from a directory holding a copy of the three (``--before DIR``). They are loaded as
+  ``hotspare.recovery.wire`` / ``hotspare.recovery.replica_client`` / ``hotspare.agents.replica``
+  before anything imports those names, so the server and the client both speak the old wire (the
+  server of that commit: the working tree's streams replicas through the new wire's interfaces).
 
 Every (trial, variant) runs in fresh processes -- a client, and a ReplicaServer of its own in a
 second process (as agent and worker are), its store in ``/dev/shm`` -- and the variants alternate
@@ -63,7 +64,7 @@ from common import (
 )
 
 VARIANTS = ("before", "after")
-MODULES = ("wire", "replica_client")
+MODULES = ("recovery/wire", "recovery/replica_client", "agents/replica")  # of the old variant, in import order
 SMOKE = {"size_mb": 9, "tensors": 8}  # > 2 x wire.CHUNK: the threaded paths too
 AIM = 0.9  # after's throughput >= 0.9 x before's, per operation
 OLD_FRAME = 'MAGIC = b"HSF1"'  # how --before auto recognises the wire from before the fix
@@ -108,19 +109,21 @@ def resolve_before(spec: str, into: Path) -> tuple[Path, str]:
     if spec != "auto" and Path(spec).is_dir():
         src = Path(spec)
         for m in MODULES:
-            if not (src / f"{m}.py").is_file():
-                raise RuntimeError(f"--before {spec}: no {m}.py there")
+            if not (src / f"{Path(m).name}.py").is_file():
+                raise RuntimeError(f"--before {spec}: no {Path(m).name}.py there")
         return src, f"directory {src}"
     rev = spec
     if spec == "auto":
-        revs = ["HEAD"] + git("log", "--format=%H", "--", "recovery/wire.py").split()
+        # every commit, newest first (not only those that changed wire.py): the last one before the
+        # fix, whose agents/replica.py imports the package as today's does
+        revs = git("log", "--format=%H").split()
         rev = next((r for r in revs if OLD_FRAME in git("show", f"{r}:recovery/wire.py")), "")
         if not rev:
             raise RuntimeError(f"--before auto: no commit's recovery/wire.py has {OLD_FRAME}")
     commit = git("rev-parse", "--short", f"{rev}^{{commit}}").strip()
     into.mkdir(parents=True, exist_ok=True)
     for m in MODULES:
-        (into / f"{m}.py").write_text(git("show", f"{commit}:recovery/{m}.py"))
+        (into / f"{Path(m).name}.py").write_text(git("show", f"{commit}:{m}.py"))
     return into, f"git {commit}"
 
 
@@ -132,22 +135,22 @@ def git(*args: str) -> str:
 
 
 def use_wire(directory: str) -> None:
-    """Load wire.py and replica_client.py from ``directory`` as hotspare.recovery's own (before
+    """Load wire.py, replica_client.py and replica.py from ``directory`` as hotspare's own (before
     anything imports them); nothing to do for the working tree's."""
     if not directory:
         return
+    import importlib
     import importlib.util
 
-    import hotspare.recovery as pkg
-
     for m in MODULES:
-        name = f"hotspare.recovery.{m}"
-        spec = importlib.util.spec_from_file_location(name, Path(directory) / f"{m}.py")
+        package, leaf = f"hotspare.{Path(m).parent}", Path(m).name
+        pkg = importlib.import_module(package)
+        spec = importlib.util.spec_from_file_location(f"{package}.{leaf}", Path(directory) / f"{leaf}.py")
         assert spec and spec.loader
         mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
+        sys.modules[f"{package}.{leaf}"] = mod
         spec.loader.exec_module(mod)
-        setattr(pkg, m, mod)
+        setattr(pkg, leaf, mod)
 
 
 # -- one run: the server process ------------------------------------------------------------------------

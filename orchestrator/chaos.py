@@ -56,6 +56,16 @@ ACTIONS: dict[str, Action] = {
     )
 }
 
+#: The phases of a recovery a scheduled entry can fire inside (``during:`` in the spec, never
+#: ``hotspare chaos``), in the order a recovery passes them; what each is, for the docs.
+PHASES: dict[str, str] = {
+    "rendezvous": "a member is about to build the new epoch's process group (every member)",
+    "restore": "the members agreed on the step to restore; this member is about to load it",
+    "fetch": "this member is about to fetch its state from a replica holder (a spare in a lost seat)",
+}
+#: Actions that cannot fire inside a recovery: slow-rank delays every step, not a phase.
+NOT_DURING: tuple[str, ...] = ("slow-rank",)
+
 #: Names in the order above (the spelling used in YAML and on the command line).
 NAMES: tuple[str, ...] = tuple(ACTIONS)
 RANK_ACTIONS: tuple[str, ...] = tuple(n for n, a in ACTIONS.items() if a.target is Target.RANK)

@@ -45,6 +45,13 @@ log = logging.getLogger("hotspare.controller")
 CONTROLLER_NODE = CONTROLLER  # deprecated alias: chaos commands for the leader controller
 
 
+#: Seconds between reconcile rounds when no watch event came. Every decision input under a
+#: job's prefix (node keys expiring, reports, done marks, chaos, cancel, the leader key) wakes
+#: the controller through its watch; what this bounds is the latency of a lost watch event
+#: and of straggler scoring, which reads progress records outside the prefix.
+SAFETY_INTERVAL = 5.0
+
+
 class Controller:
     def __init__(
         self,
@@ -53,7 +60,7 @@ class Controller:
         ttl: float = 3.0,
         job: str | None = None,
         ident: str | None = None,
-        interval: float = 0.5,
+        interval: float = SAFETY_INTERVAL,
     ) -> None:
         self.store = store
         self.ttl = ttl

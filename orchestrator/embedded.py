@@ -1,7 +1,14 @@
 """The embedded default: a private etcd and a controller on this machine.
 
 ``hotspare up`` starts both as daemons and records them in ``<state-dir>/cluster.json``;
-``hotspare down`` stops them and keeps the state directory (etcd data, logs, outputs).
+``hotspare down`` stops them and keeps the state directory (etcd data, logs, outputs). The
+etcd requires a password (:mod:`.embedded_auth`): the state dir is 0700 and the password
+file 0600, so only this Unix user's processes can use it.
+
+After a total loss (a reboot: etcd, controller, agents and workers all gone), ``up`` starts
+etcd again on its data, on its old port if that is free, and records every local job whose
+processes are all gone as failed (``hotspare run --resume SPEC`` continues it from its
+newest complete checkpoint) before it starts the controller.
 """
 
 from __future__ import annotations
@@ -15,12 +22,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .etcd_server import EtcdServer, free_port, stop_pid
+from . import embedded_auth
+from .etcd_server import free_port, start_etcd, stop_pid
+from .store import ENV_OPTIONS, PASSWORD_FILE_ENV, JobStore, Store
 from .util import atomic_write, pid_alive
 
 #: The embedded controller's leader lease TTL (``hotspare controller --leader-ttl``): how
 #: long a standby waits before it takes over. Not the spec's ``lease_ttl`` (node agents).
 LEADER_TTL = 3.0
+
+#: Said by ``up`` about a cluster started before the embedded etcd had a password.
+NO_AUTH = ("the embedded etcd (pid {pid}) was started before it required a password: any local user can "
+           "write its jobs' keys; run `hotspare down` then `hotspare up` to turn its authentication on")
 
 
 def default_state_dir() -> Path:
@@ -34,10 +47,49 @@ class Cluster:
     controller_pid: int
     state_dir: str
     peer_port: int = 0
+    #: the etcd password's file (never the password); "" in a record from before etcd had one
+    password_file: str = ""
+
+    @property
+    def etcd_runs(self) -> bool:
+        """This cluster's etcd is running (its pid, with this state dir's data in its command
+        line: after a reboot the pid may be someone else's)."""
+        return _runs(self.etcd_pid, str(Path(self.state_dir) / "etcd"))
+
+    @property
+    def controller_runs(self) -> bool:
+        return _runs(self.controller_pid, "hotspare.orchestrator.cli", self.endpoint)
 
     @property
     def healthy(self) -> bool:
-        return pid_alive(self.etcd_pid) and pid_alive(self.controller_pid)
+        return self.etcd_runs and self.controller_runs
+
+    def child_env(self) -> dict[str, str]:
+        """The variables that give a process this etcd's credentials (none: an old record)."""
+        return embedded_auth.child_env(self.password_file) if self.password_file else {}
+
+    def store_options(self) -> dict[str, str | None]:
+        """:class:`Store` keyword arguments for this etcd; ValueError if the password file
+        cannot be read."""
+        return embedded_auth.store_options(self.password_file) if self.password_file else {}
+
+    def store(self, timeout: float = 5.0) -> Store:
+        return Store([self.endpoint], timeout=timeout, **self.store_options())
+
+
+def _runs(pid: int, *words: str) -> bool:
+    """``pid`` runs and its command line has ``words``. A process we have just started may
+    still be inside its exec (an empty command line for a few milliseconds): asked again."""
+    deadline = time.monotonic() + 2.0
+    while pid > 0 and pid_alive(pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+        if cmdline or time.monotonic() > deadline:  # empty for good: a kernel thread
+            return all(w.encode() in cmdline for w in words)
+        time.sleep(0.005)
+    return False
 
 
 def _file(state_dir: Path) -> Path:
@@ -46,28 +98,33 @@ def _file(state_dir: Path) -> Path:
 
 def _save(state_dir: Path, c: Cluster) -> None:
     # whole or absent: a half-written record would read as "no cluster up" and start a second
-    atomic_write(_file(state_dir), json.dumps(asdict(c)), fsync=False, mode=0o666)
+    atomic_write(_file(state_dir), json.dumps(asdict(c)), fsync=False, mode=0o600)
+
+
+def _read(state_dir: Path) -> Cluster | None:
+    """The recorded cluster, whether or not its processes still run."""
+    try:
+        return Cluster(**json.loads(_file(state_dir).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def load(state_dir: Path) -> Cluster | None:
     """The running embedded cluster, or None if none is up (stale records are ignored)."""
-    f = _file(state_dir)
-    if not f.exists():
-        return None
-    try:
-        c = Cluster(**json.loads(f.read_text()))
-    except (ValueError, TypeError):
-        return None
-    return c if pid_alive(c.etcd_pid) else None
+    c = _read(state_dir)
+    return c if c is not None and c.etcd_runs else None
 
 
-def start_controller(endpoint: str, state_dir: Path, leader_ttl: float = LEADER_TTL) -> int:
-    """A controller daemon for every job in the embedded etcd; returns its pid."""
-    cmd = [sys.executable, "-m", "hotspare.orchestrator.cli", "controller", "--etcd", endpoint,
+def start_controller(c: Cluster, state_dir: Path, leader_ttl: float = LEADER_TTL) -> int:
+    """A controller daemon for every job in the embedded etcd; returns its pid. It gets the
+    etcd's credentials (and no other etcd settings) through its environment."""
+    cmd = [sys.executable, "-m", "hotspare.orchestrator.cli", "controller", "--etcd", c.endpoint,
            "--leader-ttl", str(leader_ttl)]
+    env = {k: v for k, v in os.environ.items() if k not in {*ENV_OPTIONS.values(), PASSWORD_FILE_ENV}}
+    env.update(c.child_env())
     with open(state_dir / "controller.log", "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
     return proc.pid
 
 
@@ -75,32 +132,91 @@ def ensure_controller(state_dir: Path, log: Callable[[str], object] = print) -> 
     """Restart the embedded controller if it died (the supervisor a real cluster would
     have). Leaves a down etcd alone: it may be down on purpose (chaos restart-etcd)."""
     c = load(state_dir)
-    if c is not None and not pid_alive(c.controller_pid):
-        c.controller_pid = start_controller(c.endpoint, state_dir)
+    if c is not None and not c.controller_runs:
+        c.controller_pid = start_controller(c, state_dir)
         _save(state_dir, c)
         log(f"embedded controller was down; restarted it (pid {c.controller_pid})")
 
 
 def up(state_dir: Path, log: Callable[[str], object] = print) -> Cluster:
     """The embedded cluster of ``state_dir``, started (or its controller restarted) if needed."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    c = load(state_dir)
-    if c is not None:
-        if not pid_alive(c.controller_pid):
-            c.controller_pid = start_controller(c.endpoint, state_dir)
-            _save(state_dir, c)
-            log(f"restarted controller (pid {c.controller_pid})")
-        return c
+    embedded_auth.private_dir(state_dir)
+    old = _read(state_dir)
+    if old is None or not old.etcd_runs:
+        return _start(state_dir, old, log)
+    if not old.password_file:
+        log(NO_AUTH.format(pid=old.etcd_pid))
+    if not old.controller_runs:
+        old.controller_pid = start_controller(old, state_dir)
+        _save(state_dir, old)
+        log(f"restarted controller (pid {old.controller_pid})")
+    return old
+
+
+def _start(state_dir: Path, old: Cluster | None, log: Callable[[str], object]) -> Cluster:
+    """Start etcd (on ``old``'s ports first: agents that outlived it reconnect), require its
+    password, end the runs a total loss left behind, then start a controller."""
     t0 = time.monotonic()
-    srv = EtcdServer(state_dir / "etcd", free_port(), free_port())
-    srv.start(log_path=state_dir / "etcd.log", detach=True)
-    srv.wait_ready()
-    ctl = start_controller(srv.endpoint, state_dir)
-    c = Cluster(srv.endpoint, srv.pid, ctl, str(state_dir), srv.peer_port)
+    ports = (int(old.endpoint.rsplit(":", 1)[1]), old.peer_port) if old and old.peer_port else None
+    srv = start_etcd(state_dir / "etcd", state_dir / "etcd.log", detach=True, ports=ports,
+                     extra_args=embedded_auth.ETCD_ARGS, say=log)
+    try:
+        password_file = embedded_auth.secure(srv.endpoint, state_dir)
+    except BaseException:
+        srv.stop()
+        raise
+    c = Cluster(srv.endpoint, srv.pid, 0, str(state_dir), srv.peer_port, str(password_file))
+    ended = _end_lost_runs(c, state_dir, old) if old is not None else []
+    if old is not None and old.controller_runs:  # it outlived its etcd: it may hold no credentials
+        stop_pid(old.controller_pid)
+    c.controller_pid = start_controller(c, state_dir)
     _save(state_dir, c)
-    log(f"embedded cluster up in {time.monotonic() - t0:.1f}s: etcd {srv.endpoint} (pid {srv.pid}), "
-        f"controller pid {ctl}; state in {state_dir}")
+    log(f"embedded cluster up in {time.monotonic() - t0:.1f}s: etcd {srv.endpoint} (pid {srv.pid}; user root, "
+        f"password in {password_file}), controller pid {c.controller_pid}; state in {state_dir}")
+    for line in ended:
+        log(line)
     return c
+
+
+def _end_lost_runs(c: Cluster, state_dir: Path, old: Cluster) -> list[str]:
+    """Record as failed every unfinished local job of the etcd that had stopped (``old``)
+    none of whose recorded agents runs any more: a reboot or a crash took every process of
+    the run, nothing will ever finish it, and its name must be free to run (``--resume``)
+    again. Jobs with a live agent (only etcd had died) are left to the controller."""
+    from .launchers.local import group_members, recorded  # the launcher imports this module
+    from .store import JobStore, list_jobs
+
+    alive = {(r["job"], r.get("run_id")) for r in recorded(state_dir)
+             if any(group_members(pgid) for pgid in r.get("agents", {}).values())}
+    st = c.store(timeout=10.0)
+    try:
+        said = [_end_if_lost(JobStore(st, job), alive, old) for job in list_jobs(st)]
+    finally:
+        st.close()
+    return [s for s in said if s]
+
+
+def _end_if_lost(js: JobStore, alive: set[tuple[str, str | None]], old: Cluster) -> str:
+    """Record ``js``'s run as failed unless it has ended, is not local or has a live agent;
+    the sentence recorded ("": left alone)."""
+    from .store import Compare, EventKind, StateRecord
+    from .store.snapshot import PARSE_ERRORS
+
+    try:
+        spec, kv = js.spec(), js.store.get(js.keys.state)
+        state = StateRecord.from_json(kv.value).job_state if kv else None
+    except PARSE_ERRORS:  # a damaged record: the controller reports it on the job's timeline
+        return ""
+    if spec is None or spec.backend != "local" or (state and state.terminal) or (js.job, spec.run_id) in alive:
+        return ""
+    why = (f"run {spec.run_id} of job {js.job} lost every process while the embedded cluster was down (its "
+           f"etcd, pid {old.etcd_pid}, had stopped: a reboot or a crash), so it is recorded as failed; "
+           "`hotspare run --resume SPEC` continues it from its newest complete checkpoint")
+    guard = Compare(js.keys.state, "mod", "==", kv.mod_revision) if kv else Compare(js.keys.state, "create", "==", 0)
+    if not js.store.txn([guard], puts={js.keys.state: StateRecord("failed", time.time(), why).to_json()}):
+        return ""  # it moved meanwhile (a controller that outlived etcd): its own decision stands
+    js.event(EventKind.FAILED, "hotspare up", why)
+    return why
 
 
 def down(state_dir: Path) -> list[str]:
@@ -110,25 +226,28 @@ def down(state_dir: Path) -> list[str]:
     etcd. Returns what it stopped, one line each (empty: nothing was running)."""
     from .launchers.local import stop_agents  # the launcher imports this module
 
-    c = load(state_dir)
-    cancelled = _cancel_jobs(c.endpoint) if c is not None else []
+    c = _read(state_dir)
+    etcd_runs = c is not None and c.etcd_runs
+    cancelled = _cancel_jobs(c) if etcd_runs else []
     said = [f"cancelled running job(s) {', '.join(cancelled)}"] if cancelled else []
     said += stop_agents(state_dir, grace=10.0 if cancelled else 0.0)
-    if c is not None:
+    if c is not None and c.controller_runs:  # also one that outlived its etcd
         stop_pid(c.controller_pid)
+        said.append(f"stopped controller pid {c.controller_pid}")
+    if etcd_runs:
         stop_pid(c.etcd_pid)
-        said += [f"stopped controller pid {c.controller_pid}", f"stopped etcd pid {c.etcd_pid} ({c.endpoint})"]
+        said.append(f"stopped etcd pid {c.etcd_pid} ({c.endpoint})")
     _file(state_dir).unlink(missing_ok=True)
     return said
 
 
-def _cancel_jobs(endpoint: str) -> list[str]:
+def _cancel_jobs(c: Cluster) -> list[str]:
     """Ask every unfinished job of the embedded etcd to cancel (best effort): its names."""
-    from .store import JobStore, Store, StoreError, list_jobs
+    from .store import JobStore, StoreError, list_jobs
 
     try:
-        st = Store([endpoint], timeout=3.0)
-    except StoreError:
+        st = c.store(timeout=3.0)
+    except (StoreError, ValueError):
         return []
     try:
         out = []
@@ -153,9 +272,8 @@ def restart_etcd(state_dir: Path, downtime: float) -> Cluster:
     stop_pid(c.etcd_pid)
     time.sleep(downtime)
     port = int(c.endpoint.rsplit(":", 1)[1])
-    srv = EtcdServer(state_dir / "etcd", port, c.peer_port or free_port())
-    srv.start(log_path=state_dir / "etcd.log", detach=True)
-    srv.wait_ready()
+    srv = start_etcd(state_dir / "etcd", state_dir / "etcd.log", detach=True, attempts=1,
+                     ports=(port, c.peer_port or free_port()), extra_args=embedded_auth.ETCD_ARGS)
     c.etcd_pid = srv.pid
     c.peer_port = srv.peer_port
     _save(state_dir, c)

@@ -6,6 +6,7 @@ honour 1-second leases (see shared notes); a single member on loopback never ele
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -14,10 +15,13 @@ import ssl
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .util import pid_alive
+
+log = logging.getLogger("hotspare.etcd")
 
 
 class EtcdNotFound(RuntimeError):
@@ -57,6 +61,7 @@ class EtcdServer:
     #: key). Clients must present a certificate (--client-cert-auth); the health check presents
     #: the server's own, so it needs extendedKeyUsage clientAuth too.
     tls: tuple[str, str, str] | None = None
+    log_path: Path | None = None  # where its output goes (set by start)
 
     def __post_init__(self) -> None:
         if self.tls:
@@ -73,6 +78,7 @@ class EtcdServer:
         self, log_path: Path | None = None, extra_args: list[str] | None = None, detach: bool = False
     ) -> EtcdServer:
         binary = find_etcd()
+        self.log_path = log_path
         self.data_dir.mkdir(parents=True, exist_ok=True)
         # one member: its peer port never needs to be reachable from another host
         peer = f"http://127.0.0.1:{self.peer_port}"
@@ -117,7 +123,8 @@ class EtcdServer:
             ctx.load_cert_chain(self.tls[1], self.tls[2])
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with code {self.proc.returncode} while starting")
+                raise RuntimeError(f"etcd exited with code {self.proc.returncode} while starting"
+                                   + (f" (its log: {self.log_path})" if self.log_path else ""))
             try:
                 with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1, context=ctx) as r:
                     if b'"health":"true"' in r.read():
@@ -157,34 +164,52 @@ def stop_pid(pid: int, timeout: float = 10.0) -> None:
         pass
 
 
-def start_etcd(data_dir: Path, log_path: Path | None = None, detach: bool = False,
-               attempts: int = 3) -> EtcdServer:
-    """Start an etcd on two free loopback ports and wait until it is healthy.
+def start_etcd(data_dir: Path, log_path: Path | None = None, detach: bool = False, attempts: int = 3, *,
+               ports: tuple[int, int] | None = None, extra_args: list[str] | None = None,
+               say: Callable[[str], object] = log.warning) -> EtcdServer:
+    """Start an etcd on two loopback ports (``ports`` first, if given, else free ones) and
+    wait until it is healthy.
 
     A port found free can be taken by another process before etcd binds it (two etcds
-    started at once, an outgoing connection's ephemeral port): etcd then exits at once, and
-    it is started again on other ports, up to ``attempts`` times -- only when ``data_dir`` is
-    new: an existing member's data (its stored peer address) is never removed."""
-    if data_dir.exists():
-        attempts = 1
-    for attempt in range(attempts):
-        srv = EtcdServer(data_dir=data_dir, client_port=free_port(), peer_port=free_port())
-        srv.start(log_path=log_path, detach=detach)
+    started at once, an outgoing connection's ephemeral port): etcd then exits at once with
+    "address already in use" in its log, and it is started again on fresh ports, up to
+    ``attempts`` times, each retry said in one line (``say``). Its data is kept: etcd exits
+    before it writes any, and a single member restarts on other ports with its old data (a
+    data directory that was new is removed, as it was before the first try)."""
+    new = not data_dir.exists()
+    for attempt in range(1, attempts + 1):
+        client, peer = ports if ports and attempt == 1 else (free_port(), free_port())
+        srv = EtcdServer(data_dir=data_dir, client_port=client, peer_port=peer)
+        offset = _log_size(log_path)
+        srv.start(log_path=log_path, detach=detach, extra_args=extra_args)
         try:
             srv.wait_ready()
             return srv
         except RuntimeError:  # exited while starting
-            if attempt == attempts - 1 or not _bind_failed(log_path):
+            if attempt == attempts or not bind_failed(log_path, offset):
                 raise
-            shutil.rmtree(data_dir, ignore_errors=True)
+            if new:
+                shutil.rmtree(data_dir, ignore_errors=True)
+            say(f"etcd could not listen on port {client} or {peer}: address already in use (another process "
+                f"took it); starting it on fresh ports (try {attempt + 1} of {attempts})")
     raise AssertionError("unreachable")
 
 
-def _bind_failed(log_path: Path | None) -> bool:
-    """Whether etcd's log says it could not listen (its port was taken); with no log, assume so."""
+def _log_size(log_path: Path | None) -> int:
+    try:
+        return Path(log_path).stat().st_size if log_path else 0
+    except OSError:
+        return 0
+
+
+def bind_failed(log_path: Path | None, offset: int = 0) -> bool:
+    """Whether what etcd wrote to its log after ``offset`` says it could not listen (its port
+    was taken); with no log, assume so."""
     if log_path is None:
         return True
     try:
-        return "address already in use" in Path(log_path).read_text(errors="replace")[-4000:]
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            return b"address already in use" in f.read()
     except OSError:
         return True

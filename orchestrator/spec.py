@@ -11,11 +11,10 @@ Why this module exists and looks the way it does:
 * It must be importable by light-weight processes (the controller, the CLI) that never touch a
   GPU, so it depends only on the standard library and PyYAML -- never on torch.
 
-The module is the public face of three: :mod:`hotspare.orchestrator.spec_model` holds the dataclasses
-(re-exported here), :mod:`hotspare.orchestrator.spec_fields` the validator of each scalar and section,
-and this one the loading API, the order in which the fields are checked, and the chaos
-schedule, checked against :mod:`hotspare.orchestrator.chaos` (the one table of actions, whose names
-this module re-exports).
+The module is the public face of three: :mod:`~hotspare.orchestrator.spec_model` holds the dataclasses
+(re-exported here), :mod:`~hotspare.orchestrator.spec_fields` the validator of each field, and this one
+the loading API, the order of the checks, and the chaos schedule (checked against
+:mod:`hotspare.orchestrator.chaos`, the one table of actions, whose names it re-exports).
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ from .spec_fields import (
     parse_persist_path,
     parse_ratio,
     parse_seconds,
+    parse_size,
 )
 from .spec_model import (
     BACKEND_OPTIONS,
@@ -343,6 +343,7 @@ def _parse_state_tiers(data: Mapping[str, Any], base_dir: str) -> dict[str, Any]
                                               "persist_local_dir"),
         "persist_keep": parse_int("persist_keep", _opt(data, "persist_keep"), minimum=1,
                                   default=_DEFAULTS["persist_keep"]),
+        "shm_budget": parse_size("shm_budget", _opt(data, "shm_budget")),
     }
 
 
@@ -413,7 +414,22 @@ def _parse_chaos_entry(item: Any, where: str, *, ranks: int, steps: int) -> Chao
         seconds = parse_seconds(f"{where}.seconds", item["seconds"], above=0.0)
     _check_chaos_targets(action, rank, node, where)
     _check_chaos_seconds(action, seconds, where)
-    return ChaosEntry(at_step=at_step, action=action, rank=rank, node=node, seconds=seconds)
+    during = _parse_chaos_during(item.get("during"), action, where)
+    return ChaosEntry(at_step=at_step, action=action, rank=rank, node=node, seconds=seconds, during=during)
+
+
+def _parse_chaos_during(value: Any, action: str, where: str) -> str | None:
+    """``during:``, a recovery phase the entry fires inside (:data:`hotspare.orchestrator.chaos.PHASES`)."""
+    if value is None:
+        return None
+    phase = parse_choice(f"{where}.during", value, tuple(chaos.PHASES))
+    if action in chaos.NOT_DURING:
+        raise SpecError(
+            f"{action} slows every step and cannot fire during a recovery phase (remove during:, "
+            f"or use one of {', '.join(n for n in chaos.NAMES if n not in chaos.NOT_DURING)})",
+            field=f"{where}.during",
+        )
+    return phase
 
 
 def _parse_chaos_rank(value: Any, where: str, ranks: int) -> int | None:

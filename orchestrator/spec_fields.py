@@ -137,6 +137,31 @@ def parse_seconds(
     return seconds
 
 
+_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
+_SIZE_SCALE = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(field_path: str, value: Any) -> int | None:
+    """A number of bytes: an integer, or a string like ``8GiB``/``8Gi`` (binary: 8 x 2^30) or
+    ``8GB``/``8G`` (decimal: 8 x 10^9), as Kubernetes writes sizes; None stays None."""
+    if value is None:
+        return None
+    m = _SIZE_RE.fullmatch(value) if isinstance(value, str) else None
+    if m and m.group(3) and not m.group(2):  # "8i": binary of what?
+        m = None
+    if isinstance(value, bool) or not (isinstance(value, int) or m):
+        raise SpecError(f"must be a size like 8GiB, 512MiB or 16GB (or a number of bytes), got {value!r}",
+                        field=field_path)
+    if m:
+        number, prefix, binary, _ = m.groups()
+        n = int(float(number) * ((1024 if binary else 1000) ** _SIZE_SCALE[prefix.lower()]))
+    else:
+        n = value
+    if n < 1 or n > MAX_INT:
+        raise SpecError(f"must be between 1 byte and {MAX_INT} bytes, got {value!r}", field=field_path)
+    return n
+
+
 def parse_choice(
     field_path: str, value: Any, choices: tuple[str, ...], *, default: Any = _MISSING
 ) -> str:

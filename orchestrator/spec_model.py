@@ -103,6 +103,9 @@ class ChaosEntry:
     #: Duration for hang-rank / partition-node (``None``: until recovery kicks in);
     #: for slow-rank, the extra delay added to every step.
     seconds: float | None = None
+    #: A recovery phase (:data:`hotspare.orchestrator.chaos.PHASES`): fire inside the first
+    #: recovery that reaches it at or after ``at_step`` instead of at the start of that step.
+    during: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form; every field is present so ``from_dict`` needs no defaults."""
@@ -112,6 +115,7 @@ class ChaosEntry:
             "rank": self.rank,
             "node": self.node,
             "seconds": self.seconds,
+            "during": self.during,
         }
 
     @classmethod
@@ -201,6 +205,10 @@ class JobSpec:
     persist_path: str | None = None
     persist_local_dir: str | None = None
     persist_keep: int = 2
+    #: Bytes of shared memory (the snapshot directory, /dev/shm) one node's snapshots and
+    #: replicas may take; None: as much as the filesystem has free. A job that would need
+    #: more fails at its start (hotspare.recovery.shm_budget).
+    shm_budget: int | None = None
     straggler_threshold: float = 2.0
     on_straggler: str = "report"
     output_dir: str | None = None

@@ -26,6 +26,10 @@ run (no fail-over later: hotspare's ``Store`` holds one connection).
 * ``cacert``, ``cert``, ``key``: TLS, as etcdctl names them. ``cacert`` alone gives a TLS
   channel; a client certificate needs all three. An ``https://`` endpoint needs ``cacert``.
 
+An etcd with authentication: ``$HOTSPARE_ETCD_USER`` and ``$HOTSPARE_ETCD_PASSWORD_FILE`` (or
+``$HOTSPARE_ETCD_PASSWORD``), as for hotspare's own processes. The embedded etcd (``hotspare
+up``) needs nothing: its password file is found through the state dir.
+
 State is compared-and-set on the key's ``mod_revision``; keys are not deleted when the
 run ends (torch's ``c10d`` store keeps them too): reuse of an ``--rdzv-id`` finds the old,
 closed rendezvous, so give each run a fresh id or ``etcdctl del --prefix`` its keys.
@@ -89,7 +93,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
 )
 
 from .store.c10d import EtcdC10dStore  # noqa: E402
-from .store.client import ROOT, Compare, Store  # noqa: E402
+from .store.client import ROOT, Compare, Store, parse_endpoint, store_options_from_env  # noqa: E402
 from .store.errors import StoreError  # noqa: E402
 
 BACKEND_NAME = "hotspare-etcd"
@@ -308,6 +312,22 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return None if kv is None else (kv.value, kv.mod_revision, written)
 
 
+def credentials(endpoint: str) -> dict[str, str | None]:
+    """The etcd user and password for ``endpoint``: ``$HOTSPARE_ETCD_USER`` with
+    ``$HOTSPARE_ETCD_PASSWORD(_FILE)``, as for every hotspare process; without a user, the
+    embedded etcd's own when ``endpoint`` is the one ``hotspare up`` recorded in
+    ``$HOTSPARE_STATE_DIR`` (``~/.hotspare``). ValueError: a password file cannot be read."""
+    opts = store_options_from_env()
+    if not opts["user"]:
+        from . import embedded
+
+        c = embedded.load(embedded.default_state_dir())
+        if c is None or parse_endpoint(c.endpoint) != parse_endpoint(endpoint):
+            return {}
+        opts = c.store_options()
+    return {"user": opts.get("user"), "password": opts.get("password")}
+
+
 def connect(cfg: RdzvConfig) -> Store:
     """A Store on the first endpoint that answers."""
     failures = []
@@ -315,7 +335,8 @@ def connect(cfg: RdzvConfig) -> Store:
         store = None
         try:
             store = Store(
-                [ep], timeout=REQUEST_TIMEOUT_S, ca_cert=cfg.cacert, cert=cfg.cert, key=cfg.key
+                [ep], timeout=REQUEST_TIMEOUT_S, ca_cert=cfg.cacert, cert=cfg.cert, key=cfg.key,
+                **credentials(ep),
             )
             store.ping()
             return store

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -71,8 +72,49 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+class Waker:
+    """A wake-up a loop blocks on, set from any thread *and from a signal handler*: a
+    self-pipe (``os.write`` is async-signal-safe, unlike a ``threading.Event``, whose lock
+    the interrupted thread may hold). ``wait`` consumes every pending ``set``."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def set(self) -> None:
+        try:
+            os.write(self._w, b"\0")
+        except (BlockingIOError, OSError):  # full: a wake-up is pending already; closed: nobody waits
+            pass
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block until :meth:`set` or ``timeout`` seconds; True if set (and now cleared)."""
+        try:
+            ready = select.select([self._r], [], [], timeout)[0]
+        except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
+            ready = []
+        if ready:
+            self.clear()
+        return bool(ready)
+
+    def clear(self) -> None:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 class PeriodicWorker:
-    """Run ``once()`` every ``interval`` seconds on a daemon thread until :meth:`stop`.
+    """Run ``once()`` every ``interval`` seconds on a daemon thread until :meth:`stop`, and
+    at once whenever :meth:`kick` is called (an event-driven service kicks it when there is
+    work and keeps ``interval`` long, a safety net for a missed kick).
 
     Subclasses override :meth:`once` (or pass ``fn``). An exception in one round is logged
     with the thread's name and the loop goes on: a background service of a long job must
@@ -84,6 +126,7 @@ class PeriodicWorker:
         self._interval = interval
         self._fn = fn
         self._stop = threading.Event()
+        self._kick = threading.Event()
         self._thread: threading.Thread | None = None
 
     def once(self) -> object:
@@ -103,13 +146,22 @@ class PeriodicWorker:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    def kick(self) -> None:
+        """Run a round now (or right after the one in progress)."""
+        self._kick.set()
+
     def stop(self, join: float = 2.0) -> None:
         self._stop.set()
+        self._kick.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(join)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval()):
+        while True:
+            self._kick.wait(self.interval())
+            self._kick.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.once()
             except Exception:  # noqa: BLE001 - logged; the next round tries again

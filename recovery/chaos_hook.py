@@ -1,10 +1,17 @@
-"""Scheduled chaos, fired by the training process itself at the start of a step.
+"""Scheduled chaos, fired by the training process itself at the start of a step, or inside a
+recovery.
 
 The spec's ``chaos:`` entries name a step. Entries targeting a rank fire in that rank;
 entries naming a node (or no target: kill-controller, restart-etcd) fire in rank 0. What
 this process can do itself -- kill, stop or slow itself, damage its checkpoint file, kill its
 own agent -- it does at once, precisely at the step; the rest goes through etcd to whoever
 executes it (:mod:`hotspare.orchestrator.chaos` says who), as ``hotspare chaos`` would.
+
+An entry with ``during: <phase>`` fires instead the first time a process reaches that phase
+of a recovery (:data:`hotspare.orchestrator.chaos.PHASES`) at step ``at_step`` or later
+(:meth:`ChaosHook.at_phase`): in the process that holds ``rank`` in the epoch being joined,
+or, without a rank, in whichever process gets there first. A kill-node of another node
+holds the phase until that node's lease has expired, so the phase goes on without it.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ class ChaosHook:
     delay slow-rank set, which the step loop sleeps after every step."""
 
     def __init__(self, js: JobStore, entries: Sequence[ChaosEntry], *, job: str, node: str,
-                 agent_pid: int, persist_root: str, event: Callable[..., None]) -> None:
+                 agent_pid: int, persist_root: str, event: Callable[..., None],
+                 beat: Callable[[], None] = lambda: None, lease_ttl: float = 5.0) -> None:
         self.js = js
         self.entries = tuple(entries)
         self.job = job
@@ -42,7 +50,14 @@ class ChaosHook:
         self.agent_pid = agent_pid
         self.persist_root = persist_root
         self.event = event
+        self.beat = beat
+        self.lease_ttl = lease_ttl
         self.slow = 0.0  # seconds to sleep after every step (chaos slow-rank; 0: none)
+        #: the entries that fire inside a recovery, by phase, until they have fired
+        self._pending: dict[str, list[int]] = {}
+        for i, c in enumerate(self.entries):
+            if c.during:
+                self._pending.setdefault(c.during, []).append(i)
         #: what the training process does to itself, by action name (Target.RANK)
         self._on_self: dict[str, Callable[[ChaosEntry, int], None]] = {
             "kill-rank": lambda c, rank: os.kill(os.getpid(), signal.SIGKILL),
@@ -55,25 +70,59 @@ class ChaosHook:
         """Fire this rank's entries for ``step``, each exactly once in the job's life (a step
         recomputed after a rollback does not fire its failure again)."""
         for i, c in enumerate(self.entries):
-            if c.at_step != step:
+            if c.during or c.at_step != step:
                 continue
             mine = c.rank == rank if c.rank is not None else rank == 0
-            if not mine:
+            if mine:
+                self._claim_and_fire(i, c, rank, step)
+
+    def at_phase(self, phase: str, rank: int, step: int) -> None:
+        """Fire the entries scheduled ``during`` this recovery phase (``step``: the step this
+        process resumes at, or was computing, when it got there). Free when none is pending."""
+        pending = self._pending.get(phase)
+        if not pending:
+            return
+        for i in list(pending):
+            c = self.entries[i]
+            if step < c.at_step or (c.rank is not None and c.rank != rank):
                 continue
+            pending.remove(i)  # claimed by this process or an earlier one: never asked again
+            self._claim_and_fire(i, c, rank, step)
+
+    def _claim_and_fire(self, i: int, c: ChaosEntry, rank: int, step: int) -> None:
+        """Fire entry ``i`` if no process has yet (etcd's fire-once key), with its event."""
+        try:
+            if not self.js.fire_once(i):
+                return  # already fired in an earlier life of this step, or by another process
+            target = c.node or self.node
+            self.js.put_event(events.chaos(
+                f"rank{rank}",
+                f"scheduled {c.action} at step {step}"
+                + (f" during {c.during}" if c.during else "")
+                + (f" of rank {c.rank}" if c.rank is not None else "")
+                + (f" on {c.node}" if c.node else ""),
+                c.action, rank=c.rank, node=target, step=step, seconds=c.seconds,
+                **({"during": c.during} if c.during else {}),
+            ))
+            self._fire(c, target, rank)
+            if c.during and c.action == "kill-node" and target != self.node:
+                self._until_gone(target)
+        except StoreError as e:
+            log.warning("chaos entry %d not fired: %s", i, e)
+
+    def _until_gone(self, node: str) -> None:
+        """Hold the phase (beating) until ``node``'s lease has expired, so the phase goes on
+        without it; at most a few lease TTLs (its agent may have been gone already)."""
+        deadline = time.monotonic() + 3 * self.lease_ttl + 10
+        while time.monotonic() < deadline:
             try:
-                if not self.js.fire_once(i):
-                    continue  # already fired in an earlier life of this step
-                target = c.node or self.node
-                self.js.put_event(events.chaos(
-                    f"rank{rank}",
-                    f"scheduled {c.action} at step {step}"
-                    + (f" of rank {c.rank}" if c.rank is not None else "")
-                    + (f" on {c.node}" if c.node else ""),
-                    c.action, rank=c.rank, node=target, step=step, seconds=c.seconds,
-                ))
-                self._fire(c, target, rank)
-            except StoreError as e:
-                log.warning("chaos entry %d not fired: %s", i, e)
+                if not self.js.node_registered(node):
+                    return
+            except StoreError:
+                pass
+            self.beat()
+            time.sleep(0.1)
+        log.warning("chaos: %s still registered after %.0fs; going on", node, 3 * self.lease_ttl + 10)
 
     def _fire(self, c: ChaosEntry, node: str, rank: int) -> None:
         log.warning("chaos: %s at step (rank %d)", c.action, rank)

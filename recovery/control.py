@@ -39,8 +39,8 @@ class ControlLink:
         member: Member,
         node: str,
         on_epoch: Callable[[int], object],
-        progress_interval: float = 1.0,
-        poll_interval: float = 1.0,
+        progress_interval: float = 5.0,
+        poll_interval: float = 10.0,
     ) -> None:
         self.js = jobstore
         self._session = member
@@ -51,13 +51,18 @@ class ControlLink:
         self.latest_epoch = 0
         self._events: queue.Queue[Event] = queue.Queue()
         self._wake = threading.Event()
+        self._epoch_changed = False  # set by the watch on the epoch key
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hotspare-control", daemon=True)
         self._cancel_watch = lambda: None
 
     def start(self) -> None:
-        self._cancel_watch = self.js.store.watch_prefix(self.js.keys.epoch, self._wake.set)
+        self._cancel_watch = self.js.store.watch_prefix(self.js.keys.epoch, self._new_epoch)
         self._thread.start()
+
+    def _new_epoch(self) -> None:
+        self._epoch_changed = True
+        self._wake.set()
 
     def stop(self, flush_timeout: float = 5.0) -> None:
         self._stop.set()
@@ -133,18 +138,23 @@ class ControlLink:
         last_poll = last_progress = 0.0
         published = None
         while not self._stop.is_set():
-            woke = self._wake.wait(0.2)
+            # sleeps until the watch (a new epoch), an event to write, or the next progress
+            # record or safety read is due: nothing runs at a fixed short interval
+            now = time.monotonic()
+            due = min(last_poll + self.poll_interval, last_progress + self.progress_interval)
+            self._wake.wait(max(due - now, 0.0))
             self._wake.clear()
             now = time.monotonic()
-            if woke or now - last_poll >= self.poll_interval:
+            if self._epoch_changed or now - last_poll >= self.poll_interval:
+                self._epoch_changed = False
                 self.check_epoch()  # one cheap get; the watch makes it prompt
                 last_poll = now
             s = self._session
-            joined = s.epoch > 0
-            if joined and now - last_progress >= self.progress_interval and s.committed != published:
-                try:
-                    published = self.publish_progress()
-                    last_progress = now
-                except StoreError:
-                    pass
+            if now - last_progress >= self.progress_interval:
+                last_progress = now
+                if s.epoch > 0 and s.committed != published:  # joined, and something new
+                    try:
+                        published = self.publish_progress()
+                    except StoreError:
+                        pass
             self._flush_events()

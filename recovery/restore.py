@@ -22,19 +22,21 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
-from hotspare.orchestrator.store import EventKind, JobStore
+from hotspare.orchestrator.store import EventKind, JobStore, Node
 
+from .errors import Unrecoverable
 from .final import load_rank
 from .persist import checkpoint_path, complete_steps, read_manifest
 from .process_group import ReconfigurableProcessGroup
-from .replica_client import fetch_first, list_steps
+from .replica_client import fetch_first, list_points
+from .slot_receipt import SlotReceipt
 from .snapshot import SnapshotEngine, restore, tensors_from_bytes
 from .state import reseed
 
@@ -47,10 +49,6 @@ Holder = tuple[str, str, int]  # (node, host, replica port)
 
 class StepFailed(Exception):
     """A collective of the recovery protocol failed: wait for the next epoch."""
-
-
-class Unrecoverable(RuntimeError):
-    """No copy of the state this rank needs is left (no common snapshot, no usable checkpoint)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +97,16 @@ class Restored:
         return {"source": self.source, "bytes": self.nbytes, "seconds": self.seconds}
 
 
+#: "no timeline to compare" in the restore agreement (a fresh seat; a holder too old to say)
+UNKNOWN = 2**62
+
+
+def timeline_of(source: object, step: int) -> int | None:
+    """The timeline of ``source``'s copy of ``step`` (None: unknown or not a snapshot source)."""
+    fn = getattr(source, "timeline", None)
+    return fn(step) if callable(fn) else None
+
+
 class LocalSlots:
     """The member's own snapshot slots. ``live_step``: the step the tracked state still
     equals (no optimizer step since that snapshot), or None; restoring that very step reloads
@@ -114,6 +122,9 @@ class LocalSlots:
             self._steps = set(self.engine.available())
         return self._steps
 
+    def timeline(self, step: int) -> int | None:
+        return self.engine.timeline_of(step)
+
     def load(self, step: int) -> Loaded:
         skip = {n for n, p in self.engine.providers if p.async_ok} if step == self.live_step else set()
         self.engine.load_local(step, skip=skip)
@@ -124,36 +135,82 @@ class LocalSlots:
 class PeerReplicas:
     """The agents that hold replicas of this seat's sid (its lost predecessor's points)."""
 
-    def __init__(self, js: JobStore, sid: int, engine: SnapshotEngine) -> None:
+    def __init__(self, js: JobStore, sid: int, engine: SnapshotEngine, replicas: int = 1) -> None:
         self.js = js
         self.sid = sid
         self.engine = engine
+        self.replicas = replicas
         self._secret = b""
         self._holders: dict[int, list[Holder]] = {}
+        self.asked = 0  # agents asked by the last offer() (what benchmarks/scale.py counts)
+        self._timeline: dict[int, dict[int | None, list[str]]] = {}  # step -> timeline -> holders
+
+    #: how many epochs back :meth:`likely_holders` looks for the node that last ran this sid
+    LOOKBACK = 8
+
+    def likely_holders(self) -> list[str]:
+        """The node that ran this sid before (it keeps a crashed worker's ring slots) and its
+        ring successors in that world (they got its points): the next few of them. Empty when
+        no earlier world ran this sid elsewhere (a fresh job)."""
+        epoch = self.js.epoch()
+        for e in range(epoch - 1, max(epoch - 1 - self.LOOKBACK, 0), -1):
+            world = self.js.world(e)
+            if world is None:
+                continue
+            prev = [world.seats[r].node for r in range(world.size) if world.sid(r) == self.sid]
+            if prev:
+                return [prev[0], *world.successors(prev[0])[: 2 * self.replicas + 2]]
+        return []
 
     def offer(self) -> set[int]:
-        """Asks every live agent which steps it holds; the answer is kept for :meth:`load`."""
-        snap = self.js.snapshot()
+        """Asks the likely holders (:meth:`likely_holders`) which steps they hold, and every
+        live agent only when none of those has any: O(replicas) agents, not O(nodes). The
+        answer is kept for :meth:`load`."""
         if not self._secret:
             self._secret = self.js.secret()
-        found: dict[int, list[Holder]] = {}
-        for n in snap.nodes.values():
-            if not n.replica_port:
-                continue
-            try:
-                for s in list_steps(n.host, n.replica_port, self._secret, self.sid):
-                    found.setdefault(s, []).append((n.name, n.host, n.replica_port))
-            except Exception as e:  # noqa: BLE001 - a dead or partitioned holder
-                log.info("replica holder %s unreachable: %s", n.name, e)
+        self._timeline = {}
+        names = self.likely_holders()
+        found = self._ask(self.js.nodes(names).values()) if names else {}
+        if not found:
+            found = self._ask(self.js.snapshot(progress=False).nodes.values())
         self._holders = found
         return set(found)
 
+    def _ask(self, nodes: Iterable[Node]) -> dict[int, list[Holder]]:
+        found: dict[int, list[Holder]] = {}
+        for n in nodes:
+            if not n.replica_port:
+                continue
+            self.asked += 1
+            try:
+                for s, tl in list_points(n.host, n.replica_port, self._secret, self.sid).items():
+                    found.setdefault(s, []).append((n.name, n.host, n.replica_port))
+                    self._timeline.setdefault(s, {}).setdefault(tl, []).append(n.name)
+            except Exception as e:  # noqa: BLE001 - a dead or partitioned holder
+                log.info("replica holder %s unreachable: %s", n.name, e)
+        return found
+
+    def _of_timeline(self, step: int) -> list[Holder]:
+        """The holders of ``step`` in :meth:`timeline`'s timeline (or whose holder cannot say)."""
+        tl, by = self.timeline(step), self._timeline.get(step, {})
+        ok = set(by.get(tl, ())) | set(by.get(None, ()))
+        return [h for h in self._holders[step] if tl is None or h[0] in ok]
+
+    def timeline(self, step: int) -> int | None:
+        """The newest timeline held of ``step`` (copies of an older one are left out of
+        :meth:`load`): a pre-rollback copy never wins over the recomputed one."""
+        known = [t for t in self._timeline.get(step, {}) if t is not None]
+        return max(known) if known else None
+
     def load(self, step: int) -> Loaded:
-        header, body, holder = fetch_first(self._holders[step], self._secret, self.sid, step)
-        restore(self.engine.providers, tensors_from_bytes(header, body), header["meta"])
-        self.engine.capture(step, timeline=header.get("timeline"))
-        self.engine.wait()
-        return Loaded(step, f"replica on {holder}", len(body))
+        """The first usable holder's copy, received straight into one of this member's snapshot
+        slots (:class:`~hotspare.recovery.slot_receipt.SlotReceipt`: the only copy held here), then
+        restored from it; the slot is this member's snapshot of ``step`` from then on."""
+        with SlotReceipt(self.engine, step) as slot:
+            _, body, holder = fetch_first(self._of_timeline(step), self._secret, self.sid, step, into=slot.buffer)
+            nbytes = len(body)
+            slot.complete()
+        return Loaded(step, f"replica on {holder}", nbytes)
 
 
 class PersistentTier:
@@ -303,12 +360,21 @@ class RestoreAgreement:
     over the ``WINDOW`` steps below it (plus each member's newest persisted checkpoint). A
     fresh seat constrains nothing; it receives a member's state once the others have restored
     (:class:`DonorBroadcast`). No common step: every member rolls back to the persisted tier.
+    A third allreduce (MIN) says whether every member loaded the step: a member whose load
+    failed (its replica holder died mid-fetch, say) withdraws that step from its offer and all
+    of them agree again, so nobody trains on while one member is left without its state.
+
+    ``phase(name, step)`` is called as a member reaches a phase of the restore (chaos
+    entries scheduled ``during`` it; ``step``: the step training resumes at).
     """
 
-    def __init__(self, pg: ReconfigurableProcessGroup, engine: SnapshotEngine, me: Membership) -> None:
+    def __init__(self, pg: ReconfigurableProcessGroup, engine: SnapshotEngine, me: Membership,
+                 phase: Callable[[str, int], None] = lambda name, step: None) -> None:
         self.pg = pg
         self.engine = engine
         self.me = me
+        self.phase = phase
+        self._failed: list[str] = []  # why this member's loads failed, for an Unrecoverable's sentence
 
     def run(self, sources: Sequence[StateSource], tier: PersistentTier, fresh: bool,
             started: float | None = None, resume: PersistentTier | None = None) -> Restored:
@@ -317,8 +383,17 @@ class RestoreAgreement:
         ``resume``: the previous run's checkpoints (``hotspare run --resume``), restored
         instead of a fresh start when nobody holds any state yet."""
         t0 = time.time() if started is None else started
-        offers = [(s, s.offer()) for s in sources]
-        offer: set[int] = set().union(*(o for _, o in offers))
+        refused: list[set[int]] = [set() for _ in sources]  # per source: steps it failed to load
+        while True:
+            done = self._round(sources, refused, tier, fresh, t0, resume)
+            if done is not None:
+                return done
+
+    def _round(self, sources: Sequence[StateSource], refused: list[set[int]], tier: PersistentTier, fresh: bool,
+               t0: float, resume: PersistentTier | None) -> Restored | None:
+        """One agreement and load; None if some member could not load the agreed step."""
+        offers = [s.offer() - no for s, no in zip(sources, refused, strict=True)]
+        offer: set[int] = set().union(*offers)
         top, fresh_ranks = self._newest(offer, fresh)
         if top == -2 and resume is not None:  # nothing yet: start where the resumed run was
             got = resume.resume()
@@ -327,8 +402,11 @@ class RestoreAgreement:
             self.engine.capture(-1)
             self.engine.wait()
             return Restored(-1, "fresh start", 0, 0.0, seated=True, clean=False)
-        common, persisted = self._common(top, offer, fresh, tier)
+        timelines = {st: tl for src, o in zip(reversed(sources), reversed(offers), strict=True)
+                     for st in o if (tl := timeline_of(src, st)) is not None}
+        common, persisted = self._common(top, offer, fresh, tier, timelines)
         if not common and persisted >= 0:
+            self.phase("restore", persisted + 1)
             got = tier.load(persisted)  # maybe an older checkpoint than ``persisted``
             return Restored(got.step, got.source, got.nbytes, round(time.time() - t0, 4))
         if not common:
@@ -337,14 +415,46 @@ class RestoreAgreement:
                 f"(this rank offers {sorted(offer)[-5:]}, newest anywhere {top}) and there is no "
                 f"complete persisted checkpoint in {tier.root}: the state of a lost rank "
                 "and all its replicas is gone (set persist_every to survive this)"
+                + (f"; loading failed here: {'; '.join(self._failed[-3:])}" if self._failed else "")
             )
         step = max(common)
-        got = Loaded(step, "", 0) if fresh else next(s for s, o in offers if step in o).load(step)
+        self.phase("restore", step + 1)
+        got: Loaded | None = Loaded(step, "", 0)
+        if not fresh:
+            i = next(i for i, o in enumerate(offers) if step in o)
+            got = self._load(sources[i], step)
+            if got is None:
+                refused[i].add(step)
+        if not self._all_loaded(got is not None):
+            return None  # some member could not load it: agree again without what failed
+        assert got is not None
         if fresh_ranks:
             sent = DonorBroadcast(self.engine, self.pg, self.me, fresh_ranks).load(step)
             if fresh:  # filled in by the transfer
                 got = sent
         return Restored(step, got.source, got.nbytes, round(time.time() - t0, 4), seated=fresh)
+
+    def _load(self, source: StateSource, step: int) -> Loaded | None:
+        """``source.load(step)``; None (logged) if it failed: a replica holder that died or
+        answers garbage, a slot that cannot be read."""
+        if isinstance(source, PeerReplicas):
+            self.phase("fetch", step + 1)
+        try:
+            return source.load(step)
+        except Unrecoverable:  # this node cannot hold the state at all (ShmTooSmall): the job ends with it
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever broke, the members agree again without it
+            log.warning("restoring step %d from %s failed (%s: %s); agreeing on another step",
+                        step, type(source).__name__, type(e).__name__, e)
+            self._failed.append(f"step {step} from {type(source).__name__}: {e}")
+            return None
+
+    def _all_loaded(self, ok: bool) -> bool:
+        """Third allreduce (MIN): whether every member loaded the agreed step."""
+        flag = torch.tensor([int(ok)], dtype=torch.int64)
+        if not self.pg.allreduce_(flag, dist.ReduceOp.MIN):
+            raise StepFailed()
+        return bool(flag.item())
 
     def _newest(self, offer: set[int], fresh: bool) -> tuple[int, list[int]]:
         """First allreduce (MAX): the newest step anywhere (-2: none) and the fresh seats."""
@@ -355,12 +465,31 @@ class RestoreAgreement:
             raise StepFailed()
         return int(head[0].item()), [r for r in range(self.me.size) if head[1 + r].item()]
 
-    def _common(self, top: int, offer: set[int], fresh: bool, tier: PersistentTier) -> tuple[list[int], int]:
-        """Second allreduce (MIN): the steps below ``top`` every member holds, and the newest
-        persisted checkpoint every member sees (-1: none)."""
+    def _common(self, top: int, offer: set[int], fresh: bool, tier: PersistentTier,
+                timelines: dict[int, int] | None = None) -> tuple[list[int], int]:
+        """Second allreduce (MIN): the steps below ``top`` every member holds *in one
+        timeline*, and the newest persisted checkpoint every member sees (-1: none).
+
+        A step computed again after a rollback is another state (another timeline): a
+        buddy may still hold the lost rank's copy from before the rollback while the
+        survivors hold the recomputed one, identical only where training is deterministic
+        (security review F20). Each member adds, per step, its copy's timeline t and -t; the
+        MIN of both gives the lowest and the highest, and a step whose copies differ is not
+        common. A member with no constraint (a fresh seat; a copy whose timeline is unknown)
+        adds ``UNKNOWN`` to both."""
+        timelines = timelines or {}
         persisted = max(tier.offer(), default=-1)
-        mask = torch.tensor([1 if fresh or top - i in offer else 0 for i in range(WINDOW)] + [persisted],
+        held = [1 if fresh or top - i in offer else 0 for i in range(WINDOW)]
+        tl = [UNKNOWN if fresh else timelines.get(top - i, UNKNOWN) for i in range(WINDOW)]
+        mask = torch.tensor(held + [persisted] + tl + [UNKNOWN if t == UNKNOWN else -t for t in tl],
                             dtype=torch.int64)
         if not self.pg.allreduce_(mask, dist.ReduceOp.MIN):
             raise StepFailed()
-        return [top - i for i in range(WINDOW) if mask[i].item() == 1], int(mask[WINDOW].item())
+        low, high = mask[WINDOW + 1: 2 * WINDOW + 1], mask[2 * WINDOW + 1:]
+
+        def one_timeline(i: int) -> bool:
+            lo, neg_hi = int(low[i].item()), int(high[i].item())
+            return lo == UNKNOWN or neg_hi == UNKNOWN or lo == -neg_hi
+
+        return ([top - i for i in range(WINDOW) if mask[i].item() == 1 and one_timeline(i)],
+                int(mask[WINDOW].item()))

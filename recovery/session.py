@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from hotspare.agents.worker_link import EXIT_FENCED, default_etcd_outage_limit
 from hotspare.orchestrator.spec import JobSpec
-from hotspare.orchestrator.store import EventKind, JobStore, Store, StoreError, events
+from hotspare.orchestrator.store import EventKind, JobStore, Store, StoreError, StoreFull, events
 from hotspare.orchestrator.store.c10d import EtcdC10dStore, RendezvousAborted
 
 from .chaos_hook import ChaosHook
@@ -47,6 +47,7 @@ from .restore import (
     StepFailed,
     Unrecoverable,
 )
+from .shm_budget import check_room, need_for
 from .snapshot import SnapshotEngine
 from .state import ModuleState, RNGState, provider_for
 
@@ -68,18 +69,27 @@ class Fenced(SystemExit):
 
 def until_stored(write: Callable[[], object], *, deadline: float, beat: Callable[[], None] = lambda: None,
                  pause: float = 0.5) -> None:
-    """``write()`` to etcd, retried through an outage until ``deadline`` (monotonic), beating
-    meanwhile; the last StoreError is raised if etcd never came back."""
+    """``write()`` to etcd, retried through an outage until ``deadline`` (monotonic), and for as
+    long as etcd answers but refuses writes for its space quota (:class:`StoreFull`: only an
+    operator can end that, and the training is done, so the rank waits for it, saying why
+    once); beating meanwhile. The last StoreError is raised if etcd never came back."""
+    outage, said = max(0.0, deadline - time.monotonic()), ""
     while True:
         try:
             write()
             return
+        except StoreFull as e:
+            if said != "full":
+                log.error("%s; this rank finished and waits to record it", e)
+            said, deadline = "full", time.monotonic() + outage  # an outage after it gets its whole limit
         except StoreError:
             if time.monotonic() >= deadline:
                 raise
-            log.warning("etcd unavailable while writing the done mark; retrying")
-            beat()
-            time.sleep(pause)
+            if said != "down":
+                log.warning("etcd unavailable while writing the done mark; retrying")
+            said = "down"
+        beat()
+        time.sleep(pause)
 
 
 class Session:
@@ -137,19 +147,16 @@ class Session:
         self._shard_world: int | None = None  # the world size FSDP2 shards were cut for
         self.link = ControlLink(self.js, self, node, on_epoch=self._pg.supersede)
         self.chaos = ChaosHook(self.js, spec.chaos, job=job, node=node, agent_pid=agent_pid,
-                               persist_root=spec.persist_root, event=self.link.event)
+                               persist_root=spec.persist_root, event=self.link.event, beat=self._beat,
+                               lease_ttl=spec.lease_ttl)
         self._grad_buf: torch.Tensor | None = None
         self._resumed_pending = False
-        self.snapshots = SnapshotEngine(
-            Path(snap_dir) if snap_dir is not None else Path(tempfile.mkdtemp(prefix="hotspare-snap-")),
-            self.sid,
-            replicate_every=spec.point_every,
-            beat=self._beat,
-            test_delay=snapshot_delay,
-        )
+        self.snapshots = SnapshotEngine(Path(snap_dir or tempfile.mkdtemp(prefix="hotspare-snap-")), self.sid,
+                                        replicate_every=spec.point_every, beat=self._beat, test_delay=snapshot_delay)
         self.snapshots.providers = [("rng", RNGState())]
         self.snapshots.superseded = lambda: self.link.latest_epoch > self.epoch
-        self._replicas = PeerReplicas(self.js, self.sid, self.snapshots)
+        self.snapshots.admit = self._admit_snapshots  # this node's room, before a bigger layout's first slot
+        self._replicas = PeerReplicas(self.js, self.sid, self.snapshots, replicas=spec.replicas)
         self._dirty = False  # an optimizer stepped since the last snapshot
         self.last_restore: dict = {}
 
@@ -309,6 +316,12 @@ class Session:
         until_stored(lambda: self.js.mark_done(self.rank, self.epoch, total),
                      deadline=time.monotonic() + default_etcd_outage_limit(self.spec.lease_ttl), beat=self._beat)
 
+    def _admit_snapshots(self, data_len: int, slot_bytes: int, slots: int) -> None:
+        """Whether this node has room for every copy of such a state it keeps (its ranks' slots,
+        its buddies' replicas); raises ShmTooSmall, ending the job with the numbers and the fix."""
+        need = need_for(self.spec, state_bytes=data_len, copy_bytes=slot_bytes, slots_per_rank=slots)
+        check_room(self.snapshots.dir, need, self.spec.shm_budget, who=f"rank {self.rank}")
+
     def _beat(self, step: int | None = None) -> None:
         self._beat_fn(self.committed if step is None else step)
 
@@ -360,6 +373,7 @@ class Session:
             check_world(self._shard_world, size, self._shard_world is not None or self._has_shards())
             t0 = time.time()
             log.info("joining epoch %d as rank %d of %d", epoch, rank, size)
+            self.chaos.at_phase("rendezvous", rank, self.committed + 1)
             try:
                 self._pg.configure(epoch, rank, size)
             except (RendezvousAborted, RuntimeError, TimeoutError) as e:
@@ -412,7 +426,8 @@ class Session:
         tier = PersistentTier(self.spec.persist_root, self.snapshots, self._pg, me, self.link.event)
         resume = self.spec.resume_root  # `hotspare run --resume`: the previous run's checkpoints
         prev = PersistentTier(resume, self.snapshots, self._pg, me, self.link.event) if resume else None
-        return RestoreAgreement(self._pg, self.snapshots, me).run(sources, tier, fresh, started=t0, resume=prev)
+        return RestoreAgreement(self._pg, self.snapshots, me, phase=lambda name, step: self.chaos.at_phase(
+            name, me.rank, step)).run(sources, tier, fresh, started=t0, resume=prev)
 
     def _write_final(self, total: int) -> None:
         self.snapshots.wait()

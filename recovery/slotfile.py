@@ -13,6 +13,7 @@ out while the rest is still being copied; it must still see the slot COMPLETE, w
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -28,6 +29,8 @@ CTRL_FORMAT = "<8sqqqqqqq"  # magic, state, step, seq, header_len, data_off, dat
 CTRL_SIZE = 64
 COPIED_OFFSET = 56  # where ``copied`` sits in the control block (the writer, hotspare.recovery.slots, sets it)
 EMPTY, WRITING, COMPLETE = 0, 1, 2
+#: replicas an agent keeps per sid it holds for a buddy (the newest; one more while the next arrives)
+REPLICAS_KEPT = 3
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,17 @@ def open_slot(path: Path, writing: bool = False) -> SlotView | None:
         v.close()
         return None
     return v
+
+
+def reserve(fd: int, size: int) -> None:
+    """Allocate the file's ``size`` bytes now: a full filesystem then says ENOSPC here, instead
+    of a ``SIGBUS`` when a page of a mapped, sparse tmpfs file is first written (or an ENOSPC
+    halfway through a write). A filesystem that cannot preallocate is left as it is."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
 
 
 def read_slot(path: Path) -> tuple[dict, bytes | memoryview, int] | None:

@@ -42,6 +42,11 @@ def header_cap(header_len: int) -> int:
     return max(MIN_HEADER_CAP, 2 * header_len)
 
 
+def slot_size(header_len: int, data_len: int) -> int:
+    """Bytes of a slot file made for this layout (control block, header room, data)."""
+    return _align(CTRL_SIZE + header_cap(header_len), 4096) + max(data_len, 1)
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
@@ -80,8 +85,13 @@ class Slot:
             # a fresh inode, swapped in whole: a reader (the agent) that has the old file
             # mapped keeps reading the old bytes instead of faulting on a truncated file
             src = path.with_name(f".{path.name}.{os.getpid()}.{next(_STAGE_IDS)}.{'ready' if staged else 'new'}")
-            with open(src, "wb") as f:
-                f.truncate(self.size)
+            try:
+                with open(src, "wb") as f:
+                    f.truncate(self.size)
+                    slotfile.reserve(f.fileno(), self.size)  # a full /dev/shm: ENOSPC now, not SIGBUS later
+            except OSError:
+                src.unlink(missing_ok=True)
+                raise
         fd = os.open(src, os.O_RDWR)
         try:
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if staged else 0)

@@ -32,8 +32,20 @@ from typing import Any
 
 import torch
 
-from .slotfile import COMPLETE, CTRL_SIZE, EMPTY, WRITING, SlotDir, read_confirmation, read_slot
-from .slots import DTYPE_NAMES, DTYPES, Slot, SlotPreparer, TensorInfo, plan
+from .bell import AGENT_BELL, Bell, Ringer, confirm_bell
+from .errors import Unrecoverable
+from .shm_budget import no_room
+from .slotfile import (
+    COMPLETE,
+    CTRL_SIZE,
+    EMPTY,
+    WRITING,
+    SlotDir,
+    open_slot,
+    read_confirmation,
+    read_slot,
+)
+from .slots import DTYPE_NAMES, DTYPES, Slot, SlotPreparer, TensorInfo, plan, slot_size
 
 __all__ = ["SnapshotEngine", "Slot", "TensorInfo", "plan", "restore", "tensors_from_bytes",
            "DTYPES", "DTYPE_NAMES", "STREAM_CHUNK"]
@@ -61,21 +73,22 @@ class SnapshotEngine:
     failure reliably lands while a snapshot is in flight; never set in production.
     """
 
+    #: asked (data and slot bytes, slots per rank) before the first slot of a layout bigger than any
+    #: before is made: raises ShmTooSmall if the node lacks room for them (the session sets it)
+    admit: Callable[[int, int, int], None] = staticmethod(lambda data_len, slot_bytes, slots: None)
+    _admitted = -1  # the largest data length admitted
+
     def __init__(
         self,
         directory: Path,
-        sid: int | None = None,
+        sid: int,
         slots: int = 2,
         replicate_every: int = 0,
         beat: Callable[[], object] = lambda: None,
         replication_timeout: float = 120.0,
         test_delay: float = 0.0,
-        *,
-        rank: int | None = None,  # deprecated spelling of ``sid``
     ) -> None:
-        if sid is None and rank is None:
-            raise TypeError("SnapshotEngine() needs the seat's sid")
-        self.sid = int(sid if sid is not None else rank)  # type: ignore[arg-type]
+        self.sid = int(sid)
         self.files = SlotDir(directory)
         self.dir = self.files.root
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -118,6 +131,10 @@ class SnapshotEngine:
         self.lineage: dict[str, int] = {}
         # a marker left by an earlier worker of this sid on this node says nothing about us
         self.files.confirmation(self.sid).unlink(missing_ok=True)
+        # the agent's doorbell, rung when a point starts and completes (its replicator and
+        # persister wait on it), and ours, which it rings when it confirms a point
+        self._agent_bell = Ringer(self.dir / AGENT_BELL)
+        self._confirm_bell = Bell(self.dir / confirm_bell(self.sid)) if self.every else None
         self._thread = threading.Thread(target=self._run, name=f"snapshot-rank{self.sid}", daemon=True)
         self._thread.start()
 
@@ -159,7 +176,10 @@ class SnapshotEngine:
                     log.warning("point %d of rank %d not replicated after %.0fs; going on unprotected",
                                 prev[0], self.sid, self.replication_timeout)
                     break
-                time.sleep(0.005)
+                if self._confirm_bell is not None:
+                    self._confirm_bell.wait(0.5)  # rung by the agent; the timeout re-checks the epoch
+                else:
+                    time.sleep(0.005)
             return True
         finally:
             self.replication_wait_s += time.monotonic() - t0
@@ -244,11 +264,7 @@ class SnapshotEngine:
                         "its replication", step, self.sid, self._last_point[0] if self._last_point else -2)
             return
         k = self._pick_slot(point)
-        slot = self._slots[k]
-        created = slot is None or not slot.fits(len(hb), data_len)
-        if created:
-            slot = self._preparer.take(k, len(hb), data_len)
-            self._views.pop(k, None)
+        slot, created = self._slot_for(k, len(hb), data_len)
         self._seq += 1
         seq = self._seq
         self._steps[k] = -2
@@ -257,6 +273,8 @@ class SnapshotEngine:
         slot.set_ctrl(WRITING, step, seq, len(hb))
         slot.mm[CTRL_SIZE : CTRL_SIZE + len(hb)] = hb
         slot.set_copied(0)  # header in place: a streaming reader may start
+        if point:
+            self._agent_bell.ring()  # the persister may stream it as the copy goes on
         views = self._views.get(k)
         if views is None:
             views = self._views[k] = [slot.view(info) for info in infos]
@@ -274,9 +292,30 @@ class SnapshotEngine:
                 published = end
         slot.set_ctrl(COMPLETE, step, seq, len(hb), data_len)
         self._steps[k], self._seqs[k] = step, seq
+        if point:
+            self._agent_bell.ring()  # the replicator pushes it now
         if created:
             # then the other slots, once this copy is done: not competing with it
             self._preparer.prepare_others(len(hb), data_len)
+
+    def _slot_for(self, k: int, header_len: int, data_len: int) -> tuple[Slot, bool]:
+        """Slot ``k`` (and whether it was made anew: it could not hold this layout). A layout bigger
+        than any before is checked first (:attr:`admit`); a full filesystem is a ShmTooSmall."""
+        slot = self._slots[k]
+        if slot is not None and slot.fits(header_len, data_len):
+            return slot, False
+        if data_len > self._admitted:
+            self.admit(data_len, slot_size(header_len, data_len), len(self._slots))
+            self._admitted = data_len
+        try:
+            slot = self._preparer.take(k, header_len, data_len)
+        except OSError as e:
+            full = no_room(self.dir, slot_size(header_len, data_len), f"a snapshot slot of sid {self.sid}", e)
+            if full is None:
+                raise
+            raise full from e
+        self._views.pop(k, None)
+        return slot, True
 
     def _launch_device_copies(self, slot: Slot, jobs: list) -> dict[int, Any]:
         """GPU tensors: copy into the (pinned) slot on a side stream, ordered after the work
@@ -316,6 +355,8 @@ class SnapshotEngine:
             self.last_wait_s = time.perf_counter() - t0
         if self._error is not None:
             e, self._error = self._error, None
+            if isinstance(e, Unrecoverable):  # no room for the snapshots: the job ends with its sentence
+                raise e
             raise RuntimeError(f"snapshot failed: {e}") from e
 
     def _pick_slot(self, point: bool) -> int:
@@ -327,6 +368,21 @@ class SnapshotEngine:
     def available(self) -> list[int]:
         self.wait()
         return sorted(s for s in self._steps if s >= -1)
+
+    def timeline_of(self, step: int) -> int | None:
+        """The timeline written into this engine's complete snapshot of ``step`` (None: no
+        such snapshot, or its header says none)."""
+        self.wait()
+        if step not in self._steps:
+            return None
+        view = open_slot(self.path(self._steps.index(step)))
+        if view is None:
+            return None
+        try:
+            tl = view.header.get("timeline")
+            return tl if isinstance(tl, int) and view.valid() else None
+        finally:
+            view.close()
 
     def invalidate_after(self, step: int) -> None:
         """Forget snapshots newer than ``step`` (after a rollback they are another future)."""
@@ -363,6 +419,9 @@ class SnapshotEngine:
         self.wait()
         self._jobs.put(None)
         self._preparer.close()
+        self._agent_bell.close()
+        if self._confirm_bell is not None:
+            self._confirm_bell.close()
         for s in self._slots:
             if s is not None:
                 s.close()
@@ -378,8 +437,11 @@ def restore(providers: list[tuple[str, Any]], tensors: Mapping[str, torch.Tensor
 
 
 def tensors_from_bytes(header: dict, data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
-    """Tensor views over a received snapshot body (copy before keeping them)."""
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    """Tensor views over a received snapshot body (copy before keeping them): over the body
+    itself when it is writable (a ``bytearray``, a slot), over a copy of read-only ``bytes``."""
+    writable = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
+    buf = torch.frombuffer(data if writable else bytearray(data), dtype=torch.uint8) if len(data) else \
+        torch.empty(0, dtype=torch.uint8)
     out = {}
     for i in header["tensors"]:
         raw = buf[i["offset"] : i["offset"] + i["nbytes"]]

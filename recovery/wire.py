@@ -13,9 +13,11 @@ header; the *frame* MAC also over every byte of the body. The header MAC lets a 
 refuse a forged or replayed header (and the lengths it claims) before reading a body; the frame
 MAC, checked after the last byte and before :meth:`Channel.recv` returns, means no byte of a
 body altered on the way (the tensors, the padding between them, anything) is ever handed on.
-A large body is hashed by a second thread while the socket moves it.
+A large body is hashed by a second thread while the socket moves it, and streamed: received
+straight into where it goes, sent from its file a piece at a time (:mod:`hotspare.recovery.wire_body`).
 A frame whose lengths, header or MACs are wrong raises :class:`WireError` and nothing of it
-is used. The header of a snapshot also carries a CRC32 per tensor (:func:`validate_snapshot`):
+is used. The header of a snapshot also carries a CRC32 per tensor (:func:`validate_snapshot`,
+or :class:`SnapshotCheck` as the body arrives):
 no longer a defence (CRC32 is forgeable; the MAC is the defence), it is the end-to-end check of
 a replica *at rest*, which a holder serves from its memory under its own, fresh MAC.
 No torch import here: agents use it too.
@@ -34,10 +36,24 @@ import socket
 import struct
 import threading
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any
 
 from .slotfile import DTYPES
+from .wire_body import (
+    CHUNK,
+    FileBody,
+    Growing,
+    IntoBuffer,
+    Sink,
+    WireError,
+    fill,
+    recv_body,
+    send_file,
+)
+
+__all__ = ["CHUNK", "Channel", "FileBody", "Growing", "IntoBuffer", "Sink", "SnapshotCheck", "WireError",
+           "checksums", "validate_snapshot"]
 
 MAGIC = b"HSF2"
 HELLO = b"HSP2"
@@ -45,17 +61,11 @@ _HDR = "<4sIQ32s"  # magic, header_len, body_len, header MAC
 _FIXED = "<4sIQ"  # the part of it the MACs cover
 HDR_SIZE = struct.calcsize(_HDR)
 TAG_SIZE = 32  # the frame MAC after the body
-#: bodies are received (and hashed, by a second thread) in pieces of this size; smaller ones in one
-CHUNK = 4 << 20
 _PIECE = 1 << 20  # what a sender hashes at a time (see _feed)
 MAX_HEADER = 16 * 1024 * 1024
 MAX_BODY = 1 << 40
 #: bytes per element of each snapshot dtype (derived from the one table, slotfile.DTYPES)
 ELEM: dict[str, int] = {name: d.itemsize for name, d in DTYPES.items()}
-
-
-class WireError(Exception):
-    """A frame or peer that must not be trusted; the message says what was wrong."""
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -66,49 +76,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     while got < n:
         want = min(n - got, 16 << 20)
         buf = bytearray(want)
-        _fill(sock, memoryview(buf), got, n)
+        fill(sock, memoryview(buf), got, n)
         chunks.append(buf)
         got += want
     return b"".join(chunks) if len(chunks) != 1 else bytes(chunks[0])
-
-
-def _fill(sock: socket.socket, view: memoryview, got: int, n: int) -> None:
-    """Fill ``view`` from the socket (``got`` of the ``n`` bytes expected already read)."""
-    have, want = 0, len(view)
-    while have < want:
-        k = sock.recv_into(view[have:], want - have)
-        if k == 0:
-            raise WireError(f"peer closed the connection ({got + have} of {n} bytes read)")
-        have += k
-
-
-def _recv_body(sock: socket.socket, n: int, mac: Any) -> bytearray:
-    """The n-byte body, fed to ``mac`` as it arrives. Memory grows with what actually
-    arrives (CHUNK at a time), as in :func:`_recv_exact`. A large body comes in through two
-    CHUNK-sized buffers in turn: while one is hashed by a second thread (hashlib lets go of the
-    GIL) and copied onto the body, the socket fills the other; both readers find it in cache."""
-    if n <= CHUNK:
-        body = bytearray(n)
-        _fill(sock, memoryview(body), 0, n)
-        mac.update(body)
-        return body
-    body = bytearray()
-    bufs = (memoryview(bytearray(CHUNK)), memoryview(bytearray(CHUNK)))
-    hashing: list[Future | None] = [None, None]
-    with ThreadPoolExecutor(1, thread_name_prefix="wire-mac") as hasher:  # one thread: in order
-        i = 0
-        while len(body) < n:
-            if (f := hashing[i]) is not None:
-                f.result()  # that buffer's last piece is hashed: it may be refilled
-            view = bufs[i][: min(CHUNK, n - len(body))]
-            _fill(sock, view, len(body), n)
-            hashing[i] = hasher.submit(mac.update, view)
-            body += view
-            i ^= 1
-        for f in hashing:
-            if f is not None:
-                f.result()
-    return body
 
 
 def _feed(mac: Any, data: bytes | bytearray | memoryview) -> None:
@@ -182,11 +153,16 @@ class Channel:
     def _dir(self, sending: bool) -> bytes:
         return b"s2c" if self.is_server == sending else b"c2s"
 
-    def send(self, header: dict[str, Any], body: bytes | bytearray | memoryview = b"") -> None:
+    def send(self, header: dict[str, Any], body: bytes | bytearray | memoryview | FileBody = b"") -> None:
+        """Send one frame. A :class:`FileBody` is read from its file as it is sent; one that
+        changed meanwhile raises WireError with the frame left unfinished (close the channel)."""
         hb = json.dumps(header, separators=(",", ":")).encode()
         fixed = struct.pack(_FIXED, MAGIC, len(hb), len(body))
         head, mac = self._macs(True, self.send_seq, fixed, hb)
         self.send_seq += 1
+        if isinstance(body, FileBody):
+            send_file(self.sock, fixed + head + hb, mac, body)
+            return
         if len(body) <= CHUNK:
             mac.update(body)
             self.sock.sendall(b"".join((fixed, head, hb, body, mac.digest())))
@@ -200,8 +176,14 @@ class Channel:
             hashing.join()
         self.sock.sendall(mac.digest())
 
-    def recv(self) -> tuple[dict[str, Any], bytes | bytearray]:
-        """The next frame's header and body, once every byte of it passed the frame MAC."""
+    def recv(self, into: Callable[[dict[str, Any], int], Sink | None] | None = None) -> tuple[dict[str, Any], Any]:
+        """The next frame's header and body, once every byte of it passed the frame MAC.
+
+        ``into(header, body_len)``, called once the header is authenticated and before any
+        byte of the body is read, says where the body goes (a :class:`Sink`; None: a new
+        ``bytearray``); the body returned is then the sink's ``result()``. If the frame fails
+        (a peer gone, a MAC wrong) the sink is aborted. Raising in ``into`` leaves the body
+        unread: the connection is then good for nothing but closing."""
         raw = _recv_exact(self.sock, HDR_SIZE)
         magic, hlen, blen, head = struct.unpack(_HDR, raw)
         if magic != MAGIC:
@@ -219,11 +201,17 @@ class Channel:
             raise WireError(f"frame header is not JSON: {e}") from e
         if not isinstance(header, dict):
             raise WireError("frame header must be a JSON object")
-        body = _recv_body(self.sock, blen, mac) if blen else b""
-        if not hmac.compare_digest(_recv_exact(self.sock, TAG_SIZE), mac.digest()):
-            raise WireError(f"frame failed its HMAC over the body (its {blen} bytes were altered or corrupted "
-                            "on the way); nothing of it is used")
-        return header, body
+        sink = (into(header, blen) if into is not None else None) or Growing(blen)
+        try:
+            if blen:
+                recv_body(self.sock, blen, mac, sink)
+            if not hmac.compare_digest(_recv_exact(self.sock, TAG_SIZE), mac.digest()):
+                raise WireError(f"frame failed its HMAC over the body (its {blen} bytes were altered or corrupted "
+                                "on the way); nothing of it is used")
+        except BaseException:
+            sink.abort()
+            raise
+        return header, (sink.result() if blen or into is not None else b"")
 
     def close(self) -> None:
         try:
@@ -238,34 +226,71 @@ def checksums(tensors: list[dict], data: bytes | memoryview) -> list[int]:
     return [zlib.crc32(mv[t["offset"] : t["offset"] + t["nbytes"]]) for t in tensors]
 
 
-def validate_snapshot(header: dict, body: bytes | bytearray | memoryview) -> None:
-    """Check a received snapshot's tensor table and per-tensor CRC32 against its body.
+class SnapshotCheck:
+    """A snapshot header's tensor table checked against the body's length before a byte of the
+    body is read; its CRC32s computed piece by piece as the body arrives (:meth:`update`, in
+    order: on the receiving thread's pieces, still in cache) and compared by :meth:`verify`.
 
     The CRC32s guard against damage, not against an attacker (the frame MAC does that): they
     were computed where the snapshot was taken, so they also catch a replica damaged while a
     holder kept it."""
-    tensors = header.get("tensors")
-    crcs = header.get("crc")
-    if not isinstance(tensors, list) or not isinstance(crcs, list) or len(crcs) != len(tensors):
-        raise WireError("snapshot header lacks a tensor table with one checksum per tensor")
-    for i, t in enumerate(tensors):
-        if not isinstance(t, dict):
-            raise WireError(f"tensor entry {i} is not an object")
-        name, dtype, shape = t.get("name"), t.get("dtype"), t.get("shape")
-        off, nb = t.get("offset"), t.get("nbytes")
-        if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in ELEM or not isinstance(shape, list):
-            raise WireError(f"tensor entry {i} is malformed ({name!r}, {dtype!r})")
-        if not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise WireError(f"tensor {name}: bad shape {shape!r}")
-        n = 1
-        for d in shape:
-            n *= d
-        if not isinstance(off, int) or not isinstance(nb, int) or off < 0 or nb != n * ELEM[dtype]:
-            raise WireError(f"tensor {name}: size {nb!r} does not match shape {shape} x {dtype}")
-        if off % ELEM[dtype] or off + nb > len(body):
-            raise WireError(f"tensor {name}: bytes [{off}, {off + nb}) outside the {len(body)}-byte body")
-        if not isinstance(crcs[i], int):
-            raise WireError(f"tensor {name}: checksum {crcs[i]!r} is not an integer")
-        got = zlib.crc32(memoryview(body)[off : off + nb])
-        if got != crcs[i]:
-            raise WireError(f"tensor {name}: checksum mismatch (corrupt replica): {got:#x} != {crcs[i]:#x}")
+
+    def __init__(self, header: dict, body_len: int) -> None:
+        tensors = header.get("tensors")
+        crcs = header.get("crc")
+        if not isinstance(tensors, list) or not isinstance(crcs, list) or len(crcs) != len(tensors):
+            raise WireError("snapshot header lacks a tensor table with one checksum per tensor")
+        self.spans = [_span(i, t, crcs[i], body_len) for i, t in enumerate(tensors)]  # (offset, nbytes, name, crc)
+        self._order = sorted(range(len(self.spans)), key=lambda i: self.spans[i][0])
+        self._crc = [0] * len(self.spans)
+        self._next = 0  # in _order: every tensor before it is complete
+
+    def update(self, pos: int, view: memoryview) -> None:
+        """Bytes ``[pos, pos + len(view))`` of the body arrived (pieces in order)."""
+        end = pos + len(view)
+        order, spans = self._order, self.spans
+        for j in range(self._next, len(order)):
+            off, nb, _, _ = spans[order[j]]
+            if off >= end:
+                break
+            a, b = max(off, pos), min(off + nb, end)
+            if a < b:
+                self._crc[order[j]] = zlib.crc32(view[a - pos : b - pos], self._crc[order[j]])
+        while self._next < len(order) and sum(spans[order[self._next]][:2]) <= end:
+            self._next += 1
+
+    def verify(self) -> None:
+        """Every tensor's CRC32 against the table's (the whole body must have been seen)."""
+        for (_, _, name, want), got in zip(self.spans, self._crc, strict=True):
+            if got != want:
+                raise WireError(f"tensor {name}: checksum mismatch (corrupt replica): {got:#x} != {want:#x}")
+
+
+def _span(i: int, t: Any, crc: Any, body_len: int) -> tuple[int, int, str, int]:
+    """(offset, nbytes, name, crc) of tensor entry ``i``, or WireError saying what is wrong."""
+    if not isinstance(t, dict):
+        raise WireError(f"tensor entry {i} is not an object")
+    name, dtype, shape = t.get("name"), t.get("dtype"), t.get("shape")
+    off, nb = t.get("offset"), t.get("nbytes")
+    if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in ELEM or not isinstance(shape, list):
+        raise WireError(f"tensor entry {i} is malformed ({name!r}, {dtype!r})")
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise WireError(f"tensor {name}: bad shape {shape!r}")
+    n = 1
+    for d in shape:
+        n *= d
+    if not isinstance(off, int) or not isinstance(nb, int) or off < 0 or nb != n * ELEM[dtype]:
+        raise WireError(f"tensor {name}: size {nb!r} does not match shape {shape} x {dtype}")
+    if off % ELEM[dtype] or off + nb > body_len:
+        raise WireError(f"tensor {name}: bytes [{off}, {off + nb}) outside the {body_len}-byte body")
+    if not isinstance(crc, int):
+        raise WireError(f"tensor {name}: checksum {crc!r} is not an integer")
+    return off, nb, name, crc
+
+
+def validate_snapshot(header: dict, body: bytes | bytearray | memoryview) -> None:
+    """Check a received snapshot's tensor table and per-tensor CRC32 against its whole body
+    (:class:`SnapshotCheck` in one piece)."""
+    check = SnapshotCheck(header, len(body))
+    check.update(0, memoryview(body))
+    check.verify()

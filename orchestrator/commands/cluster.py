@@ -20,13 +20,22 @@ from ..etcd_server import EtcdServer, free_port
 from ..spec import JobSpec, SpecError
 from ..store import Conflict, EventKind, JobStore, Store, StoreUnavailable
 from ..util import atomic_write
-from .common import CliError, Command, connect, endpoints, export_for_children, state_dir
+from .common import (
+    CliError,
+    Command,
+    connect,
+    endpoints,
+    export_for_children,
+    start_embedded,
+    state_dir,
+)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     export_for_children(args)
-    c = embedded.up(state_dir(args))
-    print(f"etcd {c.endpoint} (pid {c.etcd_pid}), controller pid {c.controller_pid}, state {c.state_dir}")
+    c = start_embedded(args, log=print)
+    auth = f"user root, password in {c.password_file}" if c.password_file else "no authentication"
+    print(f"etcd {c.endpoint} (pid {c.etcd_pid}; {auth}), controller pid {c.controller_pid}, state {c.state_dir}")
     return 0
 
 
@@ -227,7 +236,9 @@ def _etcd_arguments(sp: argparse.ArgumentParser) -> None:
 
 EMBEDDED = [
     Command("up", cmd_up, "start the embedded etcd and controller on this machine",
-            "Start a private etcd on a free loopback port and a controller, as daemons. Idempotent."),
+            "Start a private etcd on a free loopback port and a controller, as daemons. Idempotent. "
+            "The etcd requires a password, generated at the first `up` into STATE_DIR/etcd-password "
+            "(0600; the state dir is 0700): every hotspare process of this user finds it there."),
     Command("down", cmd_down, "stop the embedded etcd and controller (the state dir is kept)"),
 ]
 DAEMONS = [

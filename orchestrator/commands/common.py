@@ -65,6 +65,7 @@ class EtcdSettings:
 
     overrides: dict[str, str] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)
+    exported: bool = False  # written into this process's environment (its children's)
 
     @classmethod
     def from_flags(cls, args: argparse.Namespace) -> EtcdSettings:
@@ -99,10 +100,20 @@ class EtcdSettings:
         """Keyword arguments for :class:`Store`; ValueError for an unreadable password file."""
         return store_options_from_env(self.environ())
 
+    def use(self, variables: dict[str, str], drop: tuple[str, ...] = ()) -> None:
+        """Settings that win over the flags' and the environment's (the embedded etcd's own
+        credentials); written at once if the environment was written already."""
+        self.dropped.update(drop)
+        self.dropped.difference_update(variables)
+        self.overrides.update(variables)
+        if self.exported:
+            self.export()
+
     def export(self) -> None:
         for var in self.dropped:
             os.environ.pop(var, None)
         os.environ.update(self.overrides)
+        self.exported = True
 
 
 def etcd_settings(args: argparse.Namespace) -> EtcdSettings:
@@ -131,21 +142,47 @@ def etcd_given(args: argparse.Namespace) -> bool:
 
 def endpoints(args: argparse.Namespace, spec_endpoints: tuple[str, ...] = (), start: bool = False) -> list[str]:
     """--etcd, $HOTSPARE_ETCD, the spec's endpoints, else the embedded cluster (``start``:
-    brought up if it is not running)."""
-    if getattr(args, "etcd", None):
-        return [e for e in args.etcd.split(",") if e]
-    if os.environ.get("HOTSPARE_ETCD"):
-        return [e for e in os.environ["HOTSPARE_ETCD"].split(",") if e]
-    if spec_endpoints:
-        return list(spec_endpoints)
+    brought up if it is not running). The embedded etcd's credentials come with it, also for
+    its endpoint given by hand (unless an etcd user is given too)."""
+    given = _given_endpoints(args, spec_endpoints)
     sd = state_dir(args)
-    c = embedded.up(sd, log=lambda m: print(m, file=sys.stderr)) if start else embedded.load(sd)
+    if given:
+        c = embedded.load(sd)
+        if c is not None and c.endpoint in given and not etcd_settings(args).environ().get(ENV_OPTIONS["user"]):
+            _use_embedded(args, c)
+        return given
+    c = start_embedded(args) if start else embedded.load(sd)
     if c is None:
         raise CliError(
             f"no etcd: the embedded cluster is not up (state dir {sd}). Run `hotspare up`, "
             "or pass --etcd URL / set HOTSPARE_ETCD"
         )
+    _use_embedded(args, c)
     return [c.endpoint]
+
+
+def _given_endpoints(args: argparse.Namespace, spec_endpoints: tuple[str, ...]) -> list[str]:
+    if getattr(args, "etcd", None):
+        return [e for e in args.etcd.split(",") if e]
+    if os.environ.get("HOTSPARE_ETCD"):
+        return [e for e in os.environ["HOTSPARE_ETCD"].split(",") if e]
+    return list(spec_endpoints)
+
+
+def start_embedded(args: argparse.Namespace, log: Callable[[str], object] | None = None) -> embedded.Cluster:
+    """The embedded cluster of the state dir, brought up if needed (what it did said on
+    stderr, or to ``log``); a clear error if it cannot start."""
+    try:
+        return embedded.up(state_dir(args), log=log or (lambda m: print(m, file=sys.stderr)))
+    except (RuntimeError, TimeoutError, ValueError) as e:  # etcd would not start, or its password
+        raise CliError(f"the embedded cluster did not start: {e}") from e
+
+
+def _use_embedded(args: argparse.Namespace, c: embedded.Cluster) -> None:
+    """Talk to the embedded etcd with its credentials (the user and the password's file,
+    never the password itself), and so will every process this one starts."""
+    if c.password_file:
+        etcd_settings(args).use(c.child_env(), drop=(ENV_OPTIONS["password"],))
 
 
 def connect(args: argparse.Namespace, eps: list[str], job: str | None = None) -> Store:

@@ -17,6 +17,7 @@ from .. import embedded, entry_check, status, timeline
 from ..launchers import Launcher, LaunchError, load_record, record_endpoints, save_record
 from ..spec import JobSpec, SpecError, load_spec, parse_overrides
 from ..store import Conflict, EventKind, JobSnapshot, JobStore, StoreError, new_run_id
+from ..util import Waker
 from .common import (
     CliError,
     Command,
@@ -32,6 +33,7 @@ from .common import (
     launcher,
     state_dir,
 )
+from .observe import etcd_alarm
 
 #: The events `hotspare run` prints as they happen (the rest: `hotspare events`).
 WATCHED = {EventKind.PLACED, EventKind.FAILURE, EventKind.SWAP, EventKind.SHRINK, EventKind.WAITING,
@@ -318,39 +320,54 @@ def _progress_line(snap: JobSnapshot, steps: int, shown: int = 0) -> tuple[str, 
     return line + (f" | {metrics}" if metrics else ""), done
 
 
+#: seconds between redraws of `hotspare run`'s progress line (a terminal; a log gets a line
+#: every LOG_EVERY); events and the end of the job are shown as they happen (watches)
+REDRAW_EVERY = 1.0
+LOG_EVERY = 5.0
+
+
 def _watch(js: JobStore, spec: JobSpec, out: TextIO, timeout: float | None,
            embedded_dir: Path | None = None) -> str:
-    """Print the job's new events and a progress line until it ends; its final state."""
-    seen: set[tuple[float, str]] = set()
-    start, last_line, tty, shown, last_epoch = time.monotonic(), "", out.isatty(), 0, 0
-    while True:
-        try:
-            snap = js.snapshot()
-            for ev in js.events():
-                key = (ev.time, ev.kind + ev.message)
-                if key in seen:
-                    continue
-                seen.add(key)
-                first_placement = ev.kind == EventKind.ASSIGNED and snap.epoch <= 1 and ev.data.get("epoch") == 1
-                if ev.kind in WATCHED and not first_placement:
-                    ts = time.strftime("%H:%M:%S", time.localtime(ev.time))
-                    print(("\r" if tty else "") + f"{ts} {ev.kind:<10} {ev.message}", file=out, flush=True)
-            if snap.state.terminal:
-                return snap.state.value
-            line, shown = _progress_line(snap, spec.steps, shown)
-            if tty:
-                print("\r" + line.ljust(70), end="", file=out, flush=True)
-            elif line != last_line and (int(time.monotonic() - start) % 5 == 0 or snap.epoch != last_epoch):
-                print(line, file=out, flush=True)  # a log: every 5 s, and as a new world starts
-                last_line, last_epoch = line, snap.epoch
-        except StoreError as e:
-            print(f"(etcd: {e}; retrying)", file=out)
-        if embedded_dir is not None:
-            embedded.ensure_controller(embedded_dir, log=lambda m: print(m, file=out))
-        if timeout and time.monotonic() - start > timeout:
-            js.request_cancel()
-            raise CliError(f"job {spec.name} did not finish within --timeout {timeout:.0f}s; cancelled it")
-        time.sleep(0.5)
+    """Print the job's new events and a progress line until it ends; its final state.
+    Woken by watches on the job's keys and its events; otherwise it reads only to redraw."""
+    start, last_line, tty, shown, last_epoch, since = time.monotonic(), "", out.isatty(), 0, 0, 0
+    alarm = ""  # etcd's alarm last said (a full etcd answers reads: the job would look stuck, silently)
+    printed = start - LOG_EVERY
+    wake = Waker()
+    cancels = [js.store.watch_prefix(js.keys.prefix, wake.set), js.store.watch_prefix(js.keys.events_prefix, wake.set)]
+    try:
+        while True:
+            try:
+                snap = js.snapshot()
+                new, since = js.events_since(since)
+                for ev in new:
+                    first_placement = ev.kind == EventKind.ASSIGNED and snap.epoch <= 1 and ev.data.get("epoch") == 1
+                    if ev.kind in WATCHED and not first_placement:
+                        ts = time.strftime("%H:%M:%S", time.localtime(ev.time))
+                        print(("\r" if tty else "") + f"{ts} {ev.kind:<10} {ev.message}", file=out, flush=True)
+                if snap.state.terminal:
+                    return snap.state.value
+                said, alarm = alarm, etcd_alarm(js.store)
+                if alarm and alarm != said:
+                    print(("\n" if tty else "") + alarm, file=out, flush=True)
+                line, shown = _progress_line(snap, spec.steps, shown)
+                if tty:
+                    print("\r" + line.ljust(70), end="", file=out, flush=True)
+                elif line != last_line and (time.monotonic() - printed >= LOG_EVERY or snap.epoch != last_epoch):
+                    print(line, file=out, flush=True)  # a log: every 5 s, and as a new world starts
+                    last_line, last_epoch, printed = line, snap.epoch, time.monotonic()
+            except StoreError as e:
+                print(f"(etcd: {e}; retrying)", file=out)
+            if embedded_dir is not None:
+                embedded.ensure_controller(embedded_dir, log=lambda m: print(m, file=out))
+            if timeout and time.monotonic() - start > timeout:
+                js.request_cancel()
+                raise CliError(f"job {spec.name} did not finish within --timeout {timeout:.0f}s; cancelled it")
+            wake.wait(REDRAW_EVERY if tty else LOG_EVERY)
+    finally:
+        for cancel in cancels:
+            cancel()
+        wake.close()
 
 
 def _allocation_over(args: argparse.Namespace, rec: dict) -> int | None:

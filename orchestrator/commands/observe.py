@@ -13,7 +13,7 @@ import time
 
 from .. import status, timeline
 from ..launchers import left_behind
-from ..store import Event, JobSnapshot, JobStore, list_jobs
+from ..store import QUOTA_FIX, Event, JobSnapshot, JobStore, Store, StoreError, list_jobs
 from . import logs
 from .common import (
     CliError,
@@ -78,7 +78,8 @@ def _left_behind_status(args: argparse.Namespace, rec: dict | None, sched: str |
     data["scheduler"] = sched
     print(json.dumps(data) if args.json else
           f"job {args.job}: {data.get('state')} (from {rec['output_dir']}/final-status.json; its etcd is gone)\n"
-          f"  {rec['backend']}: {sched or '-'}")
+          + (f"  {data['message']}\n" if data.get("message") else "")
+          + f"  {rec['backend']}: {sched or '-'}")
     return 0
 
 
@@ -93,11 +94,27 @@ def cmd_status(args: argparse.Namespace) -> int:
         return _left_behind_status(args, rec, sched, e)
     snap = js.snapshot()
     now = time.time()
+    alarm = etcd_alarm(js.store)
     if args.json:
-        print(json.dumps({**status.job_status(snap, now), "scheduler": sched}))
+        print(json.dumps({**status.job_status(snap, now), "scheduler": sched, "etcd_alarm": alarm or None}))
         return 0
     _print_status(snap, status.rank_rows(snap, now), f"{rec['backend']}: {sched}" if sched else None)
+    if alarm:
+        print(alarm)
     return 0
+
+
+def etcd_alarm(store: Store) -> str:
+    """A sentence about the alarms etcd has raised ("": none, or they cannot be listed). Under
+    NOSPACE etcd still answers reads, so the job looks alive but stuck: this says why."""
+    try:
+        names = store.alarms()
+    except StoreError:
+        return ""
+    if "NOSPACE" in names:
+        return ("etcd: its space quota is exhausted (NOSPACE alarm): it refuses every write, so nothing of "
+                f"this job (progress, recoveries, its end) can be recorded until then: {QUOTA_FIX}")
+    return f"etcd: alarm(s) raised: {', '.join(names)} (`etcdctl alarm list`)" if names else ""
 
 
 def cmd_events(args: argparse.Namespace) -> int:

@@ -13,10 +13,12 @@ readable batch script, then runs ``sbatch``. The script, on the allocation's fir
    ``ceil(ranks / ranks_per_node)`` nodes active, the rest spares. One step per node plus
    ``--kill-on-bad-exit=0`` and ``#SBATCH --no-kill`` mean that a lost node ends its own
    step only; the spare on another node takes its ranks over;
-4. waits for the job to finish (``hotspare wait``). On every exit (scancel and the time
-   limit included) it saves ``hotspare status --json`` and ``hotspare events --json`` to
-   ``final-status.json`` and ``final-events.json`` (``LEFT_BEHIND``), so that ``hotspare
-   status``, ``events`` and ``wait`` still answer after the allocation, and its etcd, are gone.
+4. waits for the job to finish (``hotspare wait``). On every exit it saves ``hotspare status
+   --json`` and ``hotspare events --json`` to ``final-status.json`` and ``final-events.json``
+   (``LEFT_BEHIND``), so that ``hotspare status``, ``events`` and ``wait`` still answer after
+   the allocation, and its etcd, are gone. Stopped by Slurm (scancel, the time limit), etcd
+   gets the same SIGTERM as the script and is usually gone before the trap runs: it first
+   writes a status of its own (:func:`stopped_status`: cancelled, and how to resume).
 
 The first node carries the control plane. With the in-allocation etcd, losing that node
 ends the job (etcd is not replicated); production jobs should name an external, replicated
@@ -99,24 +101,43 @@ def _prologue(spec: JobSpec) -> list[str]:
         f"SPEC_SHA256={spec.digest()}  # agents refuse a spec in etcd that is not this one",
         f"OUT={_q(spec.output_dir)}",
         f"N_ACTIVE={spec.nodes}",
+        "# what final-status.json says if Slurm stops the job (scancel, time limit) before it ends",
+        f"STOPPED={_q(stopped_status(spec))}",
         'mkdir -p "$OUT/logs"',
         'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         'echo "hotspare: job $JOB on nodes ${NODES[*]} (first $N_ACTIVE active, the rest spares)"',
-        "agents=(); controller_pid=; etcd_pid=; ETCD_DATA=; ETCD=",
-        "cleanup() {  # on every exit, scancel included: stop what we started, drop etcd's data",
-        '  # keep the outcome where `hotspare status` finds it after this allocation is gone',
-        '  # (and `hotspare events`): the outcome and the timeline, read from etcd before it stops',
-        '  if [ -n "${ETCD:-}" ] && [ ! -s "$OUT/final-status.json" ]; then',
-        '    timeout 10 "${HOTSPARE[@]}" events "$JOB" --etcd "$ETCD" --json > "$OUT/final-events.json" 2>/dev/null',
-        '    timeout 10 "${HOTSPARE[@]}" status "$JOB" --etcd "$ETCD" --json > "$OUT/final-status.json" 2>/dev/null',
-        '  fi',
+        "agents=(); controller_pid=; etcd_pid=; ETCD_DATA=; ETCD=; SIGNALLED=",
+        "keep() {  # `hotspare $1 --json` to $OUT/$2 if etcd answers ($3: only a job that has ended)",
+        '  timeout 10 "${HOTSPARE[@]}" "$1" "$JOB" --etcd "$ETCD" --json > "$OUT/$2.tmp" 2>/dev/null &&',
+        '    { [ -z "${3:-}" ] || grep -qE \'"state": "(succeeded|failed|cancelled)"\' "$OUT/$2.tmp"; } &&',
+        '    mv -f "$OUT/$2.tmp" "$OUT/$2"; rm -f "$OUT/$2.tmp"',
+        "}",
+        "cleanup() {  # on every exit, scancel and the time limit included: stop what we started, drop etcd's data",
+        "  # keep the outcome and the timeline where `hotspare status`, `events` and `wait` find them",
+        "  # once this allocation and its etcd are gone. Stopped by Slurm, etcd got the same SIGTERM",
+        "  # and is likely gone already: what this script knows is written first",
+        '  [ -n "$SIGNALLED" ] && printf \'%s\\n\' "$STOPPED" > "$OUT/final-status.json"',
+        '  if [ -n "${ETCD:-}" ]; then keep events final-events.json; keep status final-status.json "$SIGNALLED"; fi',
         '  kill ${agents[@]+"${agents[@]}"} $controller_pid $etcd_pid 2>/dev/null; wait',
         '  [ -n "$ETCD_DATA" ] && rm -rf "$ETCD_DATA"',
         "}",
         "trap cleanup EXIT",
-        "trap 'exit 143' TERM INT",
+        "trap 'SIGNALLED=1; exit 143' TERM INT",
         "",
     ]
+
+
+def stopped_status(spec: JobSpec) -> str:
+    """final-status.json of a job Slurm stopped before it ended (scancel, the time limit,
+    preemption: SIGTERM to every process of the allocation, the job's own etcd included, so
+    its record of the job's end cannot be read any more): what it was, and how to go on."""
+    how = (f"`hotspare submit --resume <its spec file>` continues from its newest complete checkpoint "
+           f"in {spec.persist_root}" if spec.persist_every else
+           "it persisted no checkpoint (persist_every: 0), so submitting it again starts from step 0")
+    return json.dumps({
+        "job": spec.name, "state": "cancelled", "run_id": spec.run_id, "error": "",
+        "message": "stopped by Slurm before it finished (scancel, its time limit or preemption: SIGTERM to "
+                   f"every process of the allocation); {how}"})
 
 
 def _external_etcd(endpoints: list[str]) -> list[str]:
@@ -207,7 +228,8 @@ class SlurmLauncher:
         write_private(f["secret"], secrets.token_hex(32))
         f["endpoints"].unlink(missing_ok=True)
         for left in LEFT_BEHIND:  # an earlier run's outcome must not answer for this one
-            (Path(spec.output_dir) / left).unlink(missing_ok=True)
+            for name in (left, left + ".tmp"):  # (.tmp: cut short by SIGKILL as it was written)
+                (Path(spec.output_dir) / name).unlink(missing_ok=True)
         f["script"].write_text(script(spec, endpoints))
         f["script"].chmod(0o755)
         r = _run(["sbatch", "--parsable", str(f["script"])])

@@ -20,7 +20,7 @@ from .client import (
     store_options_from_env,
     wait_until,
 )
-from .errors import Conflict, LeaseLost, StoreError, StoreUnavailable
+from .errors import QUOTA_FIX, Conflict, LeaseLost, StoreError, StoreFull, StoreUnavailable
 from .job import (
     CONTROLLER,
     JobKeys,
@@ -72,7 +72,9 @@ __all__ = [
     "Seat",
     "Store",
     "StoreError",
+    "StoreFull",
     "StoreUnavailable",
+    "QUOTA_FIX",
     "TokenExpired",
     "World",
     "connect_error",

@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
-from hotspare.orchestrator.util import PeriodicWorker
-
-from .errors import Conflict, LeaseLost, StoreError, StoreUnavailable
+from .errors import QUOTA_FIX, Conflict, LeaseLost, StoreError, StoreFull, StoreUnavailable
+from .lease import Lease
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +100,9 @@ def _translate(what: str) -> Iterator[None]:
             raise LeaseLost(f"{what}: {details}") from e
         if name == "UNAUTHENTICATED" and "invalid auth token" in details:
             raise TokenExpired(f"{what}: {details}") from e
+        if name == "RESOURCE_EXHAUSTED" and "space exceeded" in details:
+            raise StoreFull(f"etcd refused {what}: its space quota is exhausted ({details}, the NOSPACE alarm); "
+                            f"nothing can be recorded until then: {QUOTA_FIX}") from e
         raise StoreError(f"{what}: {name}: {details}") from e
 
 
@@ -112,6 +114,10 @@ def _grpc_details(e: BaseException) -> str:
     return (details() or "") if callable(details) else ""
 
 
+#: seconds gRPC's Python layer blocks per slice while it waits on a call or a stream
+GRPC_WAIT_SLICE = 1.0
+
+
 def _patch_etcd3() -> None:
     """python3-etcd3 0.13 uses ``six`` in its watch thread's error path without importing
     it, so every broken watch stream crashed that thread with a NameError."""
@@ -121,6 +127,14 @@ def _patch_etcd3() -> None:
         import six
 
         etcd3.watch.six = six
+    # gRPC's Python side waits on a stream in 0.1 s slices (so that a signal handler on the
+    # thread runs within 0.1 s): each watch thread woke 10 times a second for nothing, the
+    # largest steady-state CPU cost of an idle agent. A response still wakes a wait at once
+    # (the condition is notified); only an interrupted main thread waits up to this long.
+    import grpc._common
+
+    if getattr(grpc._common, "MAXIMUM_WAIT_TIMEOUT", 1.0) < GRPC_WAIT_SLICE:
+        grpc._common.MAXIMUM_WAIT_TIMEOUT = GRPC_WAIT_SLICE
 
 
 def parse_endpoint(url: str) -> tuple[str, int, bool]:
@@ -214,58 +228,6 @@ def connect_error(endpoint: str, error: BaseException, options: Mapping[str, str
     are the Store's TLS and auth keyword arguments."""
     hint = connect_hint(error, tls=parse_endpoint(endpoint)[2], client_cert=bool(options.get("cert")))
     return f"cannot use etcd at {endpoint}: {error}" + (f"; {hint}" if hint else "")
-
-
-class Lease:
-    """An etcd lease kept alive by a daemon thread well inside its TTL (every TTL/4).
-
-    ``lost`` is set when etcd says the lease is gone (expired or revoked): whoever holds
-    it must consider itself fenced out. A temporary outage only delays keepalives; if
-    etcd comes back before the TTL runs out nothing is lost.
-    """
-
-    def __init__(self, store: Store, ttl: int) -> None:
-        self._store = store
-        self.ttl = int(ttl)
-        self._lease = store._call("lease grant", lambda: store._client.lease(self.ttl))
-        self.id: int = self._lease.id
-        self.lost = threading.Event()
-        self._paused = threading.Event()
-        self._keepalive = PeriodicWorker(f"lease-{self.id:x}", max(self.ttl / 4.0, 0.1),
-                                         self._keepalive_once).start()
-
-    def _keepalive_once(self) -> None:
-        if self._paused.is_set():
-            return
-        try:
-            responses = self._store._call(
-                "lease keepalive", lambda: list(self._store._client.refresh_lease(self.id)))
-        except StoreError as e:
-            log.debug("keepalive failed (will retry): %s", e)
-            return
-        if responses and responses[0].TTL <= 0:
-            log.warning("lease %x expired", self.id)
-            self.lost.set()
-            self._keepalive.stop(join=0)
-
-    def pause(self) -> None:
-        """Stop sending keepalives (chaos: partition) without revoking."""
-        self._paused.set()
-
-    def resume(self) -> None:
-        """Send keepalives again; if the lease expired meanwhile, ``lost`` is set."""
-        self._paused.clear()
-
-    def revoke(self) -> None:
-        self._keepalive.stop(join=0)
-        try:
-            self._store._call("lease revoke", lambda: self._store._client.revoke_lease(self.id))
-        except StoreError:
-            pass
-
-    def close(self) -> None:
-        """Stop the keepalives; the lease runs out after its TTL."""
-        self._keepalive.stop(join=0)
 
 
 class Store:
@@ -377,14 +339,27 @@ class Store:
             return None
         return KV(key, value, meta.mod_revision, meta.create_revision)
 
-    def get_prefix(self, prefix: str) -> tuple[list[KV], int]:
-        """All keys under ``prefix`` at one revision, and that revision."""
+    def get_prefix(self, prefix: str, since: int = 0) -> tuple[list[KV], int]:
+        """All keys under ``prefix`` at one revision (with ``since``, only those written
+        after that revision: what is new to a follower), and that revision."""
+        extra = {"min_mod_revision": since + 1} if since else {}
         resp = self._call(f"get_prefix {prefix}", lambda: self._client.get_prefix_response(
-            prefix, sort_order="ascend", sort_target="key"))
+            prefix, sort_order="ascend", sort_target="key", **extra))
         kvs = [
             KV(kv.key.decode(), kv.value, kv.mod_revision, kv.create_revision) for kv in resp.kvs
         ]
         return kvs, resp.header.revision
+
+    def get_many(self, keys: Sequence[str], prefixes: Sequence[str] = ()) -> list[KV]:
+        """Several keys and prefixes in one round trip (one read-only transaction: one
+        revision), for a reader that needs a handful of records, not a whole prefix."""
+        from etcd3 import transactions, utils
+
+        ops = [transactions.Get(k) for k in keys]
+        ops += [transactions.Get(p, utils.prefix_range_end(p.encode())) for p in prefixes]
+        _, responses = self._call("get_many", lambda: self._client.transaction(compare=[], success=ops, failure=[]))
+        return [KV(meta.key.decode(), value, meta.mod_revision, meta.create_revision)
+                for found in responses for value, meta in found]
 
     def ping(self, key: str = ROOT) -> None:
         """One read of ``key`` (hotspare's root key, or a key of the one job a command is
@@ -392,6 +367,13 @@ class Store:
         answers a status request even without credentials). A role limited to one job's
         prefixes can read the job's keys, not the root's."""
         self._call(f"get {key}", lambda: self._client.get(key))
+
+    def alarms(self) -> list[str]:
+        """etcd's raised alarms by name (``NOSPACE``: its space quota is exhausted)."""
+        from etcd3 import etcdrpc
+
+        found = self._call("alarm list", lambda: list(self._client.list_alarms()))
+        return sorted({etcdrpc.AlarmType.Name(a.alarm_type) for a in found})
 
     # -- writes -----------------------------------------------------------------------
     def put(self, key: str, value: bytes | str, lease: Lease | None = None) -> None:
@@ -432,7 +414,8 @@ class Store:
 
         Watches are a latency optimisation only: every user also polls, so a watch lost
         during an etcd outage costs speed, not correctness. A broken watch stream is
-        re-established in the background. Returns a cancel function.
+        re-established in the background, and ``callback`` called once more then: what
+        changed while it was down was never delivered. Returns a cancel function.
         """
         state = {"id": None, "cancelled": False}
         lock = threading.Lock()
@@ -455,10 +438,17 @@ class Store:
                     try:
                         state["id"] = self._call(f"watch {prefix}", lambda: self._client.add_watch_prefix_callback(
                             prefix, on_event))
-                        return
                     except (StoreError, ValueError) as e:
                         log.debug("watch on %s not established: %s", prefix, e)
-                delay = 1.0
+                        delay = 1.0
+                        continue
+                # what changed while the watch was down was never delivered: say "changed" once
+                # (the callers read then; without this they waited for their safety read)
+                try:
+                    callback()
+                except Exception:  # noqa: BLE001 - a watcher must never kill this thread
+                    log.exception("watch callback failed")
+                return
 
         try:
             state["id"] = self._call(f"watch {prefix}", lambda: self._client.add_watch_prefix_callback(

@@ -82,6 +82,32 @@ class JobStore:
             kvs += self.store.get_prefix(self.keys.progress_prefix)[0]
         return parse_snapshot(self.job, kvs, rev)
 
+    def agent_keys(self, node: str) -> tuple[list[str], list[str]]:
+        """(keys, prefixes) a node agent acts on. Not the whole job: node records come and go
+        and reports are written all the time, and a watch on the prefix woke every agent for
+        each of them -- O(N) wake-ups and reads of O(N) records per agent, O(N^2) in all
+        (benchmarks/scale.py: 1,000 agents never finished starting)."""
+        k = self.keys
+        return [k.spec, k.state, k.cancel, k.checkpoint, k.epoch, k.node(node)], [k.chaos_node_prefix(node)]
+
+    def agent_snapshot(self, node: str) -> JobSnapshot:
+        """What :meth:`agent_keys` names plus the current world: two round trips, whatever
+        the number of nodes. ``nodes`` holds this node's record only (see :meth:`nodes`)."""
+        keys, prefixes = self.agent_keys(node)
+        kvs = self.store.get_many(keys, prefixes)
+        snap = parse_snapshot(self.job, kvs, 0)
+        if snap.epoch:
+            world = self.store.get(self.keys.world(snap.epoch))
+            if world is not None:
+                snap = parse_snapshot(self.job, [*kvs, world], 0)
+        return snap
+
+    def nodes(self, names: Iterable[str]) -> dict[str, Node]:
+        """The live node records of ``names`` (one round trip); a record that does not parse
+        is left out (and logged once), as in :func:`parse_snapshot`."""
+        kvs = self.store.get_many([self.keys.node(n) for n in names])
+        return parse_snapshot(self.job, kvs, 0).nodes
+
     def exists(self) -> bool:
         return self.store.get(self.keys.spec) is not None
 
@@ -178,6 +204,10 @@ class JobStore:
         recomputed after a rollback must not fire its failure again)."""
         return self.store.create(self.keys.fired(index), str(time.time()))
 
+    def node_registered(self, node: str) -> bool:
+        """Whether ``node``'s agent is registered (its key is there: its lease has not expired)."""
+        return self.store.get(self.keys.node(node)) is not None
+
     def deregister_node(self, node: str) -> None:
         """Remove an agent's node key now (a clean exit), instead of when its lease expires."""
         self.store.delete(self.keys.node(node))
@@ -257,14 +287,21 @@ class JobStore:
 
     def events(self) -> list[Event]:
         """The job's timeline, oldest first; an event that does not parse is skipped (logged)."""
-        kvs, _ = self.store.get_prefix(self.keys.events_prefix)
+        return self.events_since(0)[0]
+
+    def events_since(self, revision: int) -> tuple[list[Event], int]:
+        """The events written after etcd ``revision`` (0: all), oldest first, and the
+        revision read at: a follower passes it back and reads only what is new (by revision,
+        not by key: an event queued through an outage keeps its older time, and key)."""
+        kvs, rev = self.store.get_prefix(self.keys.events_prefix, since=revision)
         out = []
         for kv in kvs:
             try:
                 out.append(Event.from_json(kv.value))
             except PARSE_ERRORS as e:
                 log_bad_once(kv, f"{type(e).__name__}: {e}")
-        return out
+        out.sort(key=lambda e: e.time)
+        return out, rev
 
     def send_chaos(self, node: str, command: dict) -> str:
         cid = f"{time.time_ns():020d}-{os.urandom(2).hex()}"

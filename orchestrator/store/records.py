@@ -154,6 +154,15 @@ class World:
         s = self.seats[rank].sid
         return rank if s < 0 else s
 
+    def successors(self, node: str) -> list[str]:
+        """The other nodes of this world in ring order (nodes in seat order), starting after
+        ``node``: a node's replica buddies are the first live ones. Empty if it holds no seat."""
+        ring = list(dict.fromkeys(s.node for s in self.seats))
+        if node not in ring:
+            return []
+        i = ring.index(node)
+        return [ring[(i + j) % len(ring)] for j in range(1, len(ring))]
+
     def ranks_on(self, node: str, incarnation: str | None = None) -> list[int]:
         return [
             r

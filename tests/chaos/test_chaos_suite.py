@@ -1,5 +1,8 @@
 """The chaos suite: one job, a seeded random schedule of mixed failures, nothing lost.
 
+Two of the failures fire inside a recovery (``during:``: in the rendezvous of a new epoch, and
+while the members restore), so one recovery is interrupted by the next failure.
+
 Invariants, checked from the events and the final state:
 * the job completes;
 * its final state is bit-identical to the undisturbed run;
@@ -17,10 +20,12 @@ import json
 import random
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from hotspare.agents.node_services import sweep_stale_run_dirs
 from hotspare.orchestrator.etcd_server import pid_alive
 from hotspare.recovery import load_final
 
@@ -32,6 +37,9 @@ SEED = 20261202
 STEPS = 60  # same as the reference run
 ACTIONS = ["kill-rank", "kill-node", "hang-rank", "partition-node", "kill-rank", "kill-node",
            "kill-controller", "slow-rank", "kill-rank", "partition-node", "kill-node", "hang-rank"]
+#: failures inside a recovery: each fires in the first recovery that reaches its phase after its
+#: step (every member passes both phases of every recovery, so each one fires)
+DURING = [("kill-rank", "rendezvous"), ("hang-rank", "restore")]
 
 
 def seeded_schedule(seed: int, steps: int) -> list[dict]:
@@ -49,6 +57,9 @@ def seeded_schedule(seed: int, steps: int) -> list[dict]:
         if action == "slow-rank":
             entry["seconds"] = 0.01
         out.append(entry)
+    for action, phase in DURING:  # due by mid-run: later failures are sure to come after them
+        out.append({"at_step": rng.randrange(4, steps // 2), "action": action, "rank": rng.randrange(3),
+                    "during": phase})
     return out
 
 
@@ -60,13 +71,14 @@ class Reviver(threading.Thread):
         self.cluster, self.job, self.out = cluster, job, out_dir
         self.stop = threading.Event()
         self.revived: list[str] = []
+        self.pids: dict[str, int] = {}  # node -> its agent's pid, the revived ones included
 
     def run(self) -> None:
-        pids: dict[str, int] = {}
+        pids = self.pids
         while not self.stop.wait(0.5):
             f = self.out / "agents.json"
             if not pids and f.exists():
-                pids = json.loads(f.read_text())
+                pids.update(json.loads(f.read_text()))
             for node, pid in list(pids.items()):
                 if not pid_alive(pid) and not self.stop.wait(1.0):  # a short "reboot"
                     pids[node] = self.cluster.agent(self.job, node, spare=True).pid
@@ -89,11 +101,16 @@ def test_seeded_random_failures_leave_no_trace_in_the_result(cluster, reference)
     finally:
         reviver.stop.set()
         reviver.join(30)  # before the cluster's teardown: it starts agents through the cluster
+    # the agents stop their workers and remove their shared memory; the killed nodes' is swept
+    cluster.wait(lambda: not any(pid_alive(p) for p in reviver.pids.values()), timeout=60, what="agents to leave")
+    sweep_stale_run_dirs(Path("/dev/shm"))
     assert summary["state"] == "succeeded", r.stdout + r.stderr[-3000:]
 
     events = cluster.job("chaos").events()
     fired = [e for e in events if e.kind == "chaos"]
-    assert len({(e.data.get("action"), e.data.get("step")) for e in fired if e.data.get("step") is not None}) == len(schedule)
+    assert len({(e.data.get("action"), e.data.get("step"), e.data.get("during")) for e in fired
+                if e.data.get("step") is not None}) == len(schedule)
+    assert {e.data.get("during") for e in fired} >= {phase for _, phase in DURING}, "a failure inside a recovery"
     assert len(summary["recoveries"]) >= 6, summary["recoveries"]
 
     seats: dict[tuple[int, int], set[int]] = {}

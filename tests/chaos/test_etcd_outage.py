@@ -15,7 +15,7 @@ import time
 import pytest
 
 from hotspare.orchestrator import embedded
-from hotspare.orchestrator.store import JobStore, Store
+from hotspare.orchestrator.store import JobStore
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -56,7 +56,7 @@ def test_training_survives_a_10s_etcd_outage_with_failures_during_and_after(tmp_
             "output_dir": str(tmp_path / "out"), "args": {"step_sleep": 0.02},
         }))
         cli("submit", str(spec))
-        js = JobStore(Store([cluster.endpoint]), "outage")
+        js = JobStore(cluster.store(), "outage")  # with the embedded etcd's password
         deadline = time.monotonic() + 120
         while _max_hb_step("outage") < 50:
             assert time.monotonic() < deadline, "job did not start"

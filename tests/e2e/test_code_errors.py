@@ -122,5 +122,7 @@ def test_a_module_that_cannot_load_in_the_workers_fails_the_job_without_a_respaw
     assert "RuntimeError: the cluster has no /data/shards" in r.stderr
     logs = sorted((cluster.tmp / "out" / "broken" / "logs").glob("worker-*-slot*.log"))
     assert len(logs) == 3, logs
-    for log in logs:  # one worker per slot: a start-up error is not respawned
-        assert log.read_text().count(WORKER_STARTED) == 1, log.read_text()[-3000:]
+    starts = [log.read_text().count(WORKER_STARTED) for log in logs]
+    # one worker per slot: a start-up error is not respawned (a worker stopped with the failed
+    # job before it got as far as saying it started has an empty log: 0 starts)
+    assert all(n <= 1 for n in starts) and sum(starts) >= 1, starts

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +20,7 @@ import torch
 from hotspare.orchestrator import embedded
 from hotspare.orchestrator.launchers.local import group_members
 from hotspare.orchestrator.spec import load_spec
-from hotspare.orchestrator.store import JobStore, Store
+from hotspare.orchestrator.store import JobStore
 from hotspare.orchestrator.util import pid_alive
 from hotspare.recovery import load_final, persist
 
@@ -73,7 +75,7 @@ def test_a_job_name_runs_again_apart_from_its_earlier_run_and_resumes_from_it(tm
     try:
         assert _run(cli, str(spec))["state"] == "succeeded"
         c = embedded.load(tmp_path / "state")
-        js = JobStore(Store([c.endpoint]), "again")
+        js = JobStore(c.store(), "again")
         first = js.snapshot().run_id
         first_tree = _tree(base / first)
         assert first_tree and persist.complete_steps(base / first), "the first run persisted nothing"
@@ -108,6 +110,74 @@ def test_a_job_name_runs_again_apart_from_its_earlier_run_and_resumes_from_it(tm
         cli("down")
 
 
+def _gpt_spec(tmp: Path, name: str, steps: int) -> Path:
+    return write_spec(tmp, name=name, entrypoint=str(EXAMPLES / "gpt.py") + ":train", ranks=2, spares=0,
+                      steps=steps, replicate_every=5, persist_every=10, persist_keep=2, hang_timeout=10,
+                      output_dir=str(tmp / "out" / name), args={"n_layer": 1, "n_embd": 32, "block_size": 32})
+
+
+def _kill_everything(tmp: Path, out: Path, job: str) -> list[int]:
+    """A reboot: SIGKILL every process of the job (agents and workers: each agent's process
+    group) and of the embedded cluster (controller, etcd), and wipe the job's /dev/shm. The
+    agents are frozen first, so the job cannot finish between the check and the kill."""
+    c = embedded.load(tmp / "state")
+    groups = list(json.loads((out / "agents.json").read_text()).values())
+    for pgid in groups:
+        os.killpg(pgid, signal.SIGSTOP)
+    js = JobStore(c.store(), job)
+    assert not js.state()[0].terminal, "the job ended before it could be killed: give it more steps"
+    js.store.close()
+    pids = [c.etcd_pid, c.controller_pid] + [p for pgid in groups for p in group_members(pgid)]
+    for pgid in groups:
+        os.killpg(pgid, signal.SIGKILL)
+    for pid in (c.controller_pid, c.etcd_pid):
+        os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not [p for p in pids if pid_alive(p)], "every killed process to be gone", timeout=30)
+    for d in Path("/dev/shm").glob(f"hotspare-{job}-*"):
+        shutil.rmtree(d, ignore_errors=True)
+    return pids
+
+
+def test_a_run_that_lost_every_process_resumes_bit_identical_after_the_embedded_cluster_comes_back(tmp_path):
+    """Issue 14 item 3 (local): every process of a running job and of the embedded cluster,
+    etcd included, is SIGKILLed after a complete checkpoint (a reboot). `hotspare run --resume
+    SPEC` on the same state dir brings etcd back on its data, records the lost run as failed
+    (it no longer blocks the name), restores every rank from that run's newest complete
+    checkpoint and ends bit-identical to an undisturbed run of the same spec."""
+    cli = _cli(tmp_path)
+    spec, out = _gpt_spec(tmp_path, "reboot", steps=300), tmp_path / "out" / "reboot"
+    base = out / "checkpoints"
+    try:
+        assert _run(cli, str(spec))["state"] == "succeeded"
+        undisturbed = load_final(out)
+        r = cli("submit", str(spec))
+        assert r.returncode == 0, r.stdout + r.stderr
+        c = embedded.load(tmp_path / "state")
+        st = c.store()
+        lost = JobStore(st, "reboot").snapshot().run_id
+        st.close()
+        wait_until(lambda: persist.complete_steps(base / lost), "a complete checkpoint of the run", timeout=180)
+        killed = _kill_everything(tmp_path, out, "reboot")
+        newest = persist.complete_steps(base / lost)[-1]
+        assert newest < 300, newest
+
+        r = cli("run", str(spec), "--resume", "--json")
+        assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+        assert f"run {lost} of job reboot lost every process" in r.stderr, r.stderr
+        c2 = embedded.load(tmp_path / "state")
+        assert c2.etcd_pid not in killed and c2.controller_pid not in killed
+        js = JobStore(c2.store(), "reboot")
+        assert js.state()[0].value == "succeeded" and js.spec().resume_from == lost
+        restored = _restored(js)
+        assert set(restored) == {0, 1}, restored
+        for rank, d in restored.items():
+            assert d["restore_step"] == newest, (rank, d)
+            assert d["source"].startswith(f"persisted checkpoint {base / lost}"), (rank, d)
+        _same_final(undisturbed, load_final(out))
+    finally:
+        cli("down")
+
+
 def test_resume_with_nothing_to_resume_says_so_and_starts_nothing(tmp_path):
     cli = _cli(tmp_path)
     spec = write_spec(tmp_path, name="fresh", output_dir=str(tmp_path / "out" / "fresh"))
@@ -132,7 +202,7 @@ def test_down_stops_every_process_of_the_embedded_cluster_running_jobs_included(
     r = cli("submit", str(spec))
     assert r.returncode == 0, r.stdout + r.stderr
     c = embedded.load(tmp_path / "state")
-    js = JobStore(Store([c.endpoint]), "long")
+    js = JobStore(c.store(), "long")
     try:
         wait_until(lambda: len(js.snapshot().progress) == 2, "every rank training")
         # etcd, controller, 3 agents, 2 training workers, a warm one (the spare's may still be starting)

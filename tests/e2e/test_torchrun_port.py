@@ -18,6 +18,7 @@ from ..conftest import EXAMPLES, REPO
 PORT = EXAMPLES / "torchrun_port"
 
 
+TEARDOWN_ABORT = "terminate called without an active exception"
 PORTS = [("train_torchrun.py", "ddp_train.py"), ("fsdp_torchrun.py", "fsdp_train.py")]
 
 
@@ -35,11 +36,18 @@ def test_the_user_guide_shows_the_real_diff_and_job_yaml(before, after):
 @pytest.mark.parametrize("script", ["train_torchrun.py", "fsdp_torchrun.py"])
 def test_the_torchrun_scripts_run_under_torchrun(tmp_path, script):
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    wrap = tmp_path / "finished.py"  # runs the script as torchrun would, then says it returned
+    wrap.write_text("import runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
+                    "print('script returned', flush=True)\n")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(PORT / script), "--steps", "4"],
+                        str(wrap), str(PORT / script), "--steps", "4"],
                        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    assert "step 0 loss" in r.stdout
+    assert "step 0 loss" in r.stdout, r.stdout + r.stderr[-4000:]
+    if r.returncode != 0:
+        # torch 2.13's gloo/DDP teardown sometimes aborts a process at interpreter exit, after
+        # destroy_process_group (seen here in full-suite runs, rarely); torch's bug, not the script's.
+        # Anything else -- or an abort before both ranks' main() returned -- still fails the test.
+        assert TEARDOWN_ABORT in r.stderr and r.stdout.count("script returned") == 2, r.stdout + r.stderr[-4000:]
 
 
 def test_the_ddp_port_runs_under_hotspare_from_its_job_yaml(cluster):

@@ -103,6 +103,39 @@ def test_worker_start_smoke(tmp_path):
 
 
 @pytest.mark.timeout(TIMEOUT + 60)
+def test_sidecar_cpu_smoke(tmp_path):
+    data = assert_ok(*smoke("sidecar_cpu", tmp_path))
+    cores = data["result"]["median_cores"]
+    assert {"etcd", "controller", "cli", "agent node0", "agent node1", "agent spare0", "warm spare"} <= set(cores)
+    assert cores["training node0"] > 0 and cores["training node1"] > 0, cores  # read from real workers' /proc
+    assert data["result"]["steps_in_measurement"] > 0
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_restore_rss_smoke(tmp_path):
+    """A spare restores a snapshot served by a ReplicaServer process, from a replica file and from a
+    dead worker's slot; the restored parameters match, and both sides' peaks were read from /proc."""
+    data = assert_ok(*smoke("restore_rss", tmp_path))
+    assert sorted(t["source"] for t in data["trials"]) == ["replica", "slot"]
+    for t in data["trials"]:
+        assert t["ok"] and t["bytes"] == 16 << 20 and t["seconds"] > 0, t
+        for side in ("server", "worker"):
+            assert t[side]["after"]["VmHWM"] > 0 and "peak_growth" in t[side], (t["source"], side)
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_scale_smoke_every_simulated_agent_sees_each_new_world(tmp_path):
+    """N = 50 agents against a real etcd and controller (issue 15): correctness only -- each
+    failure produced a new world that every live agent read, nodes lost and workers reported."""
+    data = assert_ok(*smoke("scale", tmp_path))
+    rows = data["result"]["failures"]
+    assert [r["kind"] for r in rows] == ["node loss", "worker exit"] * 2
+    assert all(r["ok"] and r["decision_latency_s"] is not None for r in rows), rows
+    epochs = [r["epoch"] for r in rows]
+    assert epochs == sorted(set(epochs)), epochs  # each failure moved the job to a newer world
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
 def test_smoke_run_fails_when_a_run_inside_it_fails(tmp_path):
     """torchrun with a failure and no restarts cannot finish: the benchmark must say so and exit 1
     (with the default --max-restarts the same command passes: test_lost_time_smoke)."""
@@ -179,3 +212,13 @@ def test_replication_mac_smoke(tmp_path):
         assert {"median", "best", "per_trial"} <= set(data["ratios"][op]), op
         assert data["stats"]["after"][op]["s"]["n"] == 1
     assert set(data["primitives_gbps"]) == {"sha256", "hmac_sha256", "crc32", "copy"}
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_etcd_auth_smoke(tmp_path):
+    """The embedded cluster without authentication, with it (bcrypt cost 4) and with etcd's
+    default cost, each up, logged into and written; structure only, no timings."""
+    data = assert_ok(*smoke("etcd_auth", tmp_path))
+    assert {r["variant"] for r in data["runs"]} == {"plain", "auth", "auth_cost10"}
+    for r in data["runs"]:
+        assert r["up_s"] > 0 and r["login_s"] > 0 and r["pairs_per_s"] > 0, r

@@ -152,7 +152,7 @@ def test_put_keeps_a_verified_replica_and_refuses_a_corrupt_one(snap, tmp_path, 
         assert reply["ok"] is False and "checksum" in reply["error"]
         # the refusal did not cost the connection
         ch.send({"op": "list", "rank": 3})
-        assert ch.recv()[0] == {"ok": True, "steps": [5]}
+        assert ch.recv()[0] == {"ok": True, "steps": [5], "timelines": {"5": 0}}  # one state per step (F20)
         ch.send({"op": "put", "rank": 3})
         reply, _ = ch.recv()
         assert reply["ok"] is False and "without a snapshot header" in reply["error"]

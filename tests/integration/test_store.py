@@ -260,3 +260,18 @@ def test_a_missing_or_short_job_secret_fails_closed(etcd):
         js.secret()
     st.put(js.keys.secret, b"k" * 32)
     assert js.secret() == b"k" * 32
+
+
+def test_events_are_read_by_revision_so_a_late_event_with_an_older_time_is_not_missed(etcd):
+    """`hotspare run` reads only new events (issue 15): by etcd revision, not by key."""
+    from hotspare.orchestrator.store import Event, JobStore, Store
+
+    js = JobStore(Store([etcd.endpoint]), "follow")
+    js.put_event(Event(time=2000.0, kind="a", source="x", message="first", data={}))
+    first, rev = js.events_since(0)
+    assert [e.message for e in first] == ["first"]
+    assert js.events_since(rev)[0] == []
+    # queued through an outage: written now, stamped with an older time (sorts before "first")
+    js.put_event(Event(time=1000.0, kind="a", source="x", message="late", data={}))
+    late, _ = js.events_since(rev)
+    assert [e.message for e in late] == ["late"]

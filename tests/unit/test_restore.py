@@ -1,5 +1,5 @@
 """The restore agreement and its state sources, one member in a scripted group: the other
-members' contributions to each collective are given, so every outcome of the two
+members' contributions to each collective are given, so every outcome of the three
 allreduces (and of the persisted tier's ok-flag round) is reachable without processes."""
 
 from __future__ import annotations
@@ -13,10 +13,13 @@ import torch.distributed as dist
 from hotspare.recovery.checkpoint_writer import write_rank
 from hotspare.recovery.persist import try_finish
 from hotspare.recovery.restore import (
+    UNKNOWN,
     WINDOW,
     DonorBroadcast,
+    Loaded,
     LocalSlots,
     Membership,
+    PeerReplicas,
     PersistentTier,
     RestoreAgreement,
     StepFailed,
@@ -82,13 +85,20 @@ def _engine(d, steps=(), every=10):
     return eng, w
 
 
+#: the other members' word in the third allreduce: every one of them loaded the agreed step
+_LOADED = torch.tensor([1])
+
+
 def _head(top: int, *fresh: int) -> torch.Tensor:
     return torch.tensor([top, *fresh], dtype=torch.int64)
 
 
-def _mask(steps_held: set[int], top: int, persisted: int) -> torch.Tensor:
-    return torch.tensor([1 if top - i in steps_held else 0 for i in range(WINDOW)] + [persisted],
-                        dtype=torch.int64)
+def _mask(steps_held: set[int], top: int, persisted: int, timelines: dict[int, int] | None = None) -> torch.Tensor:
+    """The other members' word in the second allreduce: which steps they hold, their newest
+    persisted step, and per step the timeline of their copy (t, then -t; UNKNOWN: no word)."""
+    tl = [(timelines or {}).get(top - i, UNKNOWN) for i in range(WINDOW)]
+    return torch.tensor([1 if top - i in steps_held else 0 for i in range(WINDOW)] + [persisted]
+                        + tl + [UNKNOWN if t == UNKNOWN else -t for t in tl], dtype=torch.int64)
 
 
 def _checkpoint(tmp_path, step: int, size: int) -> str:
@@ -125,7 +135,7 @@ def test_a_survivor_restores_the_newest_step_every_member_holds(tmp_path):
     eng, w = _engine(tmp_path, steps=[-1, 1, 2, 3])  # ring: 2, 3; points: -1
     me = Membership(rank=0, size=2, epoch=2)
     # the other member is newer (step 4) but also holds 2: 2 is the newest common step
-    pg = ScriptedGroup(_head(4, 0, 0), _mask({2, 4}, 4, -1))
+    pg = ScriptedGroup(_head(4, 0, 0), _mask({2, 4}, 4, -1), _LOADED)
     tier = PersistentTier(str(tmp_path / "none"), eng, pg, me, lambda *a, **k: None)
     r = RestoreAgreement(pg, eng, me).run([LocalSlots(eng, live_step=3)], tier, fresh=False)
     assert (r.step, r.source, r.nbytes) == (2, "own snapshot", 0)
@@ -138,7 +148,7 @@ def test_restoring_the_step_the_state_still_equals_reloads_only_small_state(tmp_
     eng, w = _engine(tmp_path, steps=[-1, 1, 2])
     w.t.fill_(99.0)  # not what the snapshot holds: proves the big state is not reloaded
     me = Membership(rank=0, size=1, epoch=2)
-    pg = ScriptedGroup(_head(2, 0), _mask({2}, 2, -1))
+    pg = ScriptedGroup(_head(2, 0), _mask({2}, 2, -1), _LOADED)
     tier = PersistentTier(str(tmp_path / "none"), eng, pg, me, lambda *a, **k: None)
     r = RestoreAgreement(pg, eng, me).run([LocalSlots(eng, live_step=2)], tier, fresh=False)
     assert r.source == "own snapshot (small state only)" and torch.equal(w.t, torch.full((8,), 99.0))
@@ -221,10 +231,113 @@ def test_a_grown_seat_takes_the_agreed_step_from_its_donor(tmp_path):
     payload = torch.frombuffer(bytearray(hb + body), dtype=torch.uint8)
     eng, w = _engine(tmp_path / "fresh")
     me = Membership(rank=1, size=2, epoch=5)
-    pg = ScriptedGroup(_head(7, 0, 0), _mask({7}, 7, -1), torch.tensor([len(hb), len(body)]), payload)
+    pg = ScriptedGroup(_head(7, 0, 0), _mask({7}, 7, -1), _LOADED, torch.tensor([len(hb), len(body)]), payload)
     tier = PersistentTier(str(tmp_path / "none"), eng, pg, me, lambda *a, **k: None)
     r = RestoreAgreement(pg, eng, me).run([LocalSlots(eng, None)], tier, fresh=True)
     assert (r.step, r.source, r.nbytes, r.seated) == (7, "peer rank 0 (grown seat)", len(body), True)
     assert torch.equal(w.t, torch.full((8,), 7.0)) and eng.available() == [7]
     assert DonorBroadcast(eng, pg, me, [1]).offer() == set()  # it constrains nothing
     eng.close()
+
+
+class DyingHolder(PeerReplicas):
+    """A spare's replica holders: step 19 was only on a holder that died mid-fetch; step 15
+    is on another one (its weights are 15)."""
+
+    def __init__(self, engine: SnapshotEngine) -> None:
+        super().__init__(None, 1, engine)  # type: ignore[arg-type] - no etcd: offer/load are scripted
+        self.offers = [{19, 15}, {15}]  # what the holders answer, round by round
+        self.asked: list[int] = []
+
+    def offer(self) -> set[int]:
+        return self.offers.pop(0)
+
+    def load(self, step: int):
+        self.asked.append(step)
+        if step == 19:
+            raise RuntimeError("no usable replica of sid 1 at step 19: node1: [Errno 111] Connection refused")
+        _, w = self.engine.providers[0]
+        w.t.fill_(15.0)
+        return Loaded(15, "replica on node2", 32)
+
+
+def test_a_member_whose_fetch_fails_withdraws_the_step_and_every_member_agrees_again(tmp_path):
+    eng, w = _engine(tmp_path)
+    me = Membership(rank=1, size=2, epoch=2)
+    phases: list[tuple[str, int]] = []
+    # round 1: 19 is common, this member cannot load it (the others could: MIN gives 0);
+    # round 2: this member offers 15 only, 15 is common, everyone loads it
+    pg = ScriptedGroup(_head(19, 0, 0), _mask({19, 15}, 19, -1), _LOADED,
+                       _head(19, 0, 0), _mask({19, 15}, 19, -1), _LOADED)
+    tier = PersistentTier(str(tmp_path / "none"), eng, pg, me, lambda *a, **k: None)
+    holders = DyingHolder(eng)
+    r = RestoreAgreement(pg, eng, me, phase=lambda name, step: phases.append((name, step))).run(
+        [LocalSlots(eng, None), holders], tier, fresh=False)
+    assert (r.step, r.source) == (15, "replica on node2") and torch.equal(w.t, torch.full((8,), 15.0))
+    assert holders.asked == [19, 15] and not pg.others
+    assert phases == [("restore", 20), ("fetch", 20), ("restore", 16), ("fetch", 16)]
+    eng.close()
+
+
+def test_a_survivor_agrees_again_when_another_member_could_not_load_the_step(tmp_path):
+    eng, w = _engine(tmp_path, steps=[-1, 9, 10, 11])  # ring: 10, 11; points: -1, 9
+    me = Membership(rank=0, size=2, epoch=2)
+    failed = torch.tensor([0])  # the other member's word: it could not load step 11
+    pg = ScriptedGroup(_head(11, 0, 0), _mask({11, 9}, 11, -1), failed,
+                       _head(11, 0, 0), _mask({9}, 11, -1), _LOADED)
+    tier = PersistentTier(str(tmp_path / "none"), eng, pg, me, lambda *a, **k: None)
+    r = RestoreAgreement(pg, eng, me).run([LocalSlots(eng, live_step=11)], tier, fresh=False)
+    assert (r.step, r.source) == (9, "own snapshot") and torch.equal(w.t, torch.full((8,), 9.0))
+    assert eng.available() == [-1, 9] and not pg.others
+    eng.close()
+
+
+def test_loads_failing_until_no_step_is_common_is_unrecoverable_naming_the_failure(tmp_path):
+    eng, _ = _engine(tmp_path)
+    me = Membership(rank=1, size=2, epoch=2)
+    holders = DyingHolder(eng)
+    holders.offers = [{19}, set()]
+    pg = ScriptedGroup(_head(19, 0, 0), _mask({19}, 19, -1), _LOADED, _head(19, 0, 0), _mask({19}, 19, -1))
+    tier = PersistentTier(str(tmp_path / "none"), eng, pg, me, lambda *a, **k: None)
+    with pytest.raises(Unrecoverable, match=r"loading failed here: step 19 from DyingHolder: no usable replica "
+                                            r"of sid 1 at step 19: node1: \[Errno 111\] Connection refused"):
+        RestoreAgreement(pg, eng, me).run([LocalSlots(eng, None), holders], tier, fresh=False)
+    eng.close()
+
+
+def test_a_step_held_in_two_timelines_is_not_common_and_an_older_one_is_restored(tmp_path):
+    """Security review F20: after a rollback a step is computed again (a new timeline). Here
+    this member's step 3 is the recomputed one (timeline 2) while the other member's copy of
+    step 3 is the lost rank's from before the rollback (timeline 1, say a buddy's replica):
+    identical only if training is deterministic. Step 3 must not be agreed on; step 2, held
+    in timeline 1 by both, is."""
+    eng = SnapshotEngine(tmp_path, sid=0, replicate_every=10, replication_timeout=0.01)
+    w = Weights()
+    eng.providers = [("m", w)]
+    for s, tl in ((-1, 1), (1, 1), (2, 1), (3, 2)):
+        w.t.fill_(float(s))
+        eng.capture(s, timeline=tl)
+        eng.wait()
+    me = Membership(rank=0, size=2, epoch=3)
+    pg = ScriptedGroup(_head(3, 0, 0), _mask({2, 3}, 3, -1, timelines={3: 1, 2: 1}), _LOADED)
+    tier = PersistentTier(str(tmp_path / "none"), eng, pg, me, lambda *a, **k: None)
+    r = RestoreAgreement(pg, eng, me).run([LocalSlots(eng, live_step=None)], tier, fresh=False)
+    assert r.step == 2 and torch.equal(w.t, torch.full((8,), 2.0))
+    eng.close()
+
+
+def test_a_spare_fetches_the_newest_timeline_of_a_step_never_a_pre_rollback_copy(monkeypatch):
+    """F20 from the spare's side: two holders have step 30, one from before a rollback
+    (timeline 1), one recomputed (timeline 2): the spare offers timeline 2 and fetches only
+    from its holder."""
+    from hotspare.recovery import restore as restore_mod
+
+    peers = restore_mod.PeerReplicas.__new__(restore_mod.PeerReplicas)
+    peers._timeline, peers._holders = {}, {}
+    peers.asked, peers.sid, peers._secret = 0, 0, b"k" * 32
+    points = {"old": {30: 1}, "new": {30: 2}}
+    monkeypatch.setattr(restore_mod, "list_points", lambda host, port, secret, sid: points[host])
+    nodes = [type("N", (), {"name": n, "host": n, "replica_port": 1})() for n in ("old", "new")]
+    peers._holders = peers._ask(nodes)
+    assert peers.timeline(30) == 2
+    assert [h[0] for h in peers._of_timeline(30)] == ["new"]

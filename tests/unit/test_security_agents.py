@@ -214,7 +214,62 @@ def test_the_agent_loop_survives_a_job_record_it_cannot_parse(monkeypatch):
         return False
 
     monkeypatch.setattr(agent, "_follow_job", follow)
+    monkeypatch.setattr("hotspare.agents.agent.SAFETY_READ", 0.05)  # the loop reads again after this
     monkeypatch.setattr(agent, "_publish", lambda force=False: None)
     monkeypatch.setattr(agent, "_supervise", lambda: None)
     agent._wake.set()
     assert agent._loop() == 0 and len(calls) >= 3
+
+
+# --- F9: the /dev/shm start-up sweep must not delete another PID namespace's live run dir ---
+
+def _dead_pid() -> int:
+    """A PID nobody has here: what a live agent's PID looks like from another PID namespace."""
+    from hotspare.orchestrator.util import pid_alive
+
+    return next(p for p in range(4_000_000, 3_000_000, -7) if not pid_alive(p))
+
+
+def _run_dir(base, pid: int, tag: str = "x"):
+    d = base / f"hotspare-job-n0-{pid}-{tag}"
+    d.mkdir()
+    (d / "rank0.slot0").write_bytes(b"live snapshot")
+    return d
+
+
+def test_the_sweep_keeps_a_live_run_dir_whose_pid_means_nothing_in_this_namespace(tmp_path):
+    from hotspare.agents.node_services import claim_run_dir, sweep_stale_run_dirs
+
+    live = _run_dir(tmp_path, _dead_pid())
+    fd = claim_run_dir(live)  # its agent, alive in another PID namespace, holds the lock
+    try:
+        sweep_stale_run_dirs(tmp_path)
+        assert (live / "rank0.slot0").read_bytes() == b"live snapshot"
+    finally:
+        import os
+
+        os.close(fd)
+    sweep_stale_run_dirs(tmp_path)  # the agent died: the kernel dropped its lock
+    assert not live.exists()
+
+
+def test_the_sweep_removes_only_old_unclaimed_dirs_of_dead_pids_and_never_follows_links(tmp_path):
+    import os
+
+    from hotspare.agents import node_services
+    from hotspare.agents.node_services import sweep_stale_run_dirs
+
+    old = _run_dir(tmp_path, _dead_pid(), "old")  # an agent of a release without owner files
+    fresh = _run_dir(tmp_path, _dead_pid(), "fresh")  # made a moment ago: its lock is coming
+    alive = _run_dir(tmp_path, os.getpid(), "alive")
+    past = time.time() - node_services.UNCLAIMED_GRACE_S - 5
+    for d in (old, alive):
+        os.utime(d, (past, past))
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    (tmp_path / f"hotspare-job-n1-{_dead_pid()}-link").symlink_to(target)
+    sweep_stale_run_dirs(tmp_path)
+    assert not old.exists()
+    assert fresh.exists() and alive.exists()
+    assert (target / "keep").exists()

@@ -324,7 +324,7 @@ def test_ring_keeps_newest_two_and_restores_an_older_step(tmp_path):
 
 
 def test_files_are_named_by_sid_and_rank_is_a_deprecated_keyword_for_it(tmp_path):
-    eng = SnapshotEngine(tmp_path, rank=3, replicate_every=2)
+    eng = SnapshotEngine(tmp_path, sid=3, replicate_every=2)
     try:
         assert eng.sid == eng.rank == 3
         eng.providers = [("s", _Scalar())]
