@@ -80,7 +80,7 @@ log = logging.getLogger("hotspare.agent")
 #: event, a worker's exit or ring, a lost lease, a signal) or a deadline it knows is due.
 POLL = 0.1
 #: Read the job this often even with no watch event: a lost watch costs this much latency.
-SAFETY_READ = 10.0
+SAFETY_READ = 30.0
 
 
 class Agent:
@@ -306,7 +306,7 @@ class Agent:
         """How long the loop may sleep: until the next safety read of the job, the next
         watchdog look at an assigned worker's heartbeat (a quarter of ``hang_timeout``: a hang
         is caught within 1.25 x of it), a partition's heal, or a retry."""
-        if self._retry:
+        if self._retry or self._changed:  # a report or a read etcd refused: try again soon
             return POLL
         now = time.monotonic()
         t = last_read + SAFETY_READ - now

@@ -276,13 +276,15 @@ class BenchCluster:
     ``python -m hotspare.orchestrator.cli run SPEC --json`` and cleans up after each one (leftover
     agents killed, their /dev/shm run directories removed)."""
 
-    def __init__(self, workdir: Path | None = None, controller_ttl: float = 2.0, keep: bool = False) -> None:
-        from hotspare.orchestrator.etcd_server import start_etcd
+    def __init__(self, workdir: Path | None = None, controller_ttl: float = 2.0, keep: bool = False,
+                 heartbeat_ms: int | None = None) -> None:
+        from hotspare.orchestrator.etcd_server import QUICK_HEARTBEAT_MS, start_etcd
 
         self.keep = keep
         self.tmp = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hotspare-bench-"))
         self.tmp.mkdir(parents=True, exist_ok=True)
-        self.etcd = start_etcd(self.tmp / "etcd", log_path=self.tmp / "etcd.log")
+        self.etcd = start_etcd(self.tmp / "etcd", log_path=self.tmp / "etcd.log",
+                               heartbeat_ms=heartbeat_ms or QUICK_HEARTBEAT_MS)
         self.endpoint = self.etcd.endpoint
         self.env = dict(os.environ, HOTSPARE_ETCD=self.endpoint, HOTSPARE_STATE_DIR=str(self.tmp / "state"),
                         PYTHONUNBUFFERED="1")

@@ -26,6 +26,7 @@ requests by method (its ``/metrics``), and at the end etcd's and the controller'
 
     .venv/bin/python benchmarks/scale.py --nodes 100 --failures 20
     .venv/bin/python benchmarks/scale.py --smoke        # N = 50, 4 failures: correctness only
+    .venv/bin/python benchmarks/scale.py --model --plot benchmarks/scale_latency.png  # no etcd: scale_model.py
 """
 
 from __future__ import annotations
@@ -463,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
         return sim_main(argv[1:])
     if argv[:1] == ["--_pump"]:
         return pump_main(argv[1:])
+    if "--model" in argv:  # the recovery model at 512 / 1,024 GPUs from results already measured
+        from scale_model import main as model_main
+
+        return model_main([x for x in argv if x != "--model"])
     p = base_parser(__doc__, "scale.json", "unused (see --failures)")
     p.add_argument("--nodes", type=int, default=100, help="active nodes (simulated agents holding ranks)")
     p.add_argument("--spares", type=int, default=4, help="spare nodes at the start")
@@ -474,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each decision")
     p.add_argument("--pause", type=float, default=1.0, help="seconds between failures")
     p.add_argument("--seed", type=int, default=15)
+    p.add_argument("--model", action="store_true", help="start nothing: the recovery model at 512 / 1,024 GPUs "
+                   "from measured results (--from PATH ..., --plot PATH, --json PATH; see scale_model.py)")
     p.add_argument("--agent-read", choices=("keys", "prefix"), default="keys",
                    help="keys: what agents watch and read now (JobStore.agent_keys); prefix: the whole job "
                    "prefix on every event, as agents did before issue 15 (for comparison)")

@@ -47,6 +47,8 @@ from common import (
     write_json,
 )
 
+from hotspare.orchestrator.etcd_server import LONG_LIVED_HEARTBEAT_MS
+
 TICK = os.sysconf("SC_CLK_TCK")
 AIMS = {"agent": 0.005, "controller": 0.005, "etcd": 0.01, "warm spare": 0.001}
 CLI = [sys.executable, "-m", "hotspare.orchestrator.cli"]
@@ -171,6 +173,8 @@ def spec_for(a, out_dir: Path) -> dict[str, Any]:
     spec.pop("chaos", None)
     spec["entrypoint"] = str(REPO / "examples" / "gpt.py") + ":train"
     spec.update(name="sidecar", ranks=a.ranks, steps=1_000_000, output_dir=str(out_dir))
+    if a.replicate_every:
+        spec["replicate_every"] = a.replicate_every
     return spec
 
 
@@ -178,7 +182,8 @@ def run(a) -> tuple[dict[str, Any], list[str]]:
     problems: list[str] = []
     windows: list[dict[str, float]] = []
     requests: list[dict[str, float]] = []
-    with BenchCluster() as cluster:
+    # etcd as `hotspare up` runs it (its heartbeat is most of an idle etcd's CPU)
+    with BenchCluster(heartbeat_ms=LONG_LIVED_HEARTBEAT_MS) as cluster:
         spec = spec_for(a, cluster.output_dir("sidecar"))
         path = cluster.tmp / "sidecar.yaml"
         path.write_text(yaml.safe_dump(spec))
@@ -191,6 +196,7 @@ def run(a) -> tuple[dict[str, Any], list[str]]:
             before = wait_steady(cluster, "sidecar", run_p, a.warmup, a.start_timeout)
             agents = json.loads((cluster.output_dir("sidecar") / "agents.json").read_text())
             pids = roles(cluster, run_p, agents)
+            t0 = time.monotonic()
             for _ in range(a.trials):
                 got, rates = measure(pids, a.window, cluster.endpoint)
                 windows.append(got)
@@ -200,11 +206,12 @@ def run(a) -> tuple[dict[str, Any], list[str]]:
                 problems.append(f"the job left steady state during the measurement: epoch {before.get('epoch')} -> "
                                 f"{after.get('epoch')}, state {after.get('state')}")
             steps = (after.get("step", 0) - before.get("step", 0))
+            elapsed = time.monotonic() - t0
             if steps <= 0:
                 problems.append("the job made no progress during the measurement")
         except RuntimeError as e:
             problems.append(str(e))
-            before, after, steps = {}, {}, 0
+            before, after, steps, elapsed = {}, {}, 0, 0.0
         finally:
             subprocess.run([*CLI, "cancel", "sidecar"], env=cluster.env, capture_output=True, timeout=60,
                            cwd=cluster.tmp)
@@ -217,7 +224,10 @@ def run(a) -> tuple[dict[str, Any], list[str]]:
     median = {r: statistics.median(w.get(r, 0.0) for w in windows) for r in roles_}
     methods = sorted({m for r in requests for m in r})
     per_s = {m: statistics.median(r.get(m, 0.0) for r in requests) for m in methods}
+    every = a.replicate_every or 10
+    rate = steps / elapsed if elapsed else 0.0  # about: the steps are read from progress records
     return {"windows": windows, "median_cores": median, "steps_in_measurement": steps,
+            "steps_per_s": rate, "replicate_every": every, "points_per_s": rate / every,
             "window_s": a.window, "etcd_requests_per_s": per_s}, problems
 
 
@@ -237,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=20.0, help="seconds per measurement window")
     p.add_argument("--warmup", type=int, default=30, help="steps every rank must be past before measuring")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for the warm-up")
+    p.add_argument("--replicate-every", type=int, default=0,
+                   help="the spec's replicate_every (0: demo.yaml's, the default 10 steps); an active agent's "
+                   "CPU is mostly the replication of points, so it scales with points per second")
     a = parse_args_smoke(p, argv, {"ranks": 2, "window": 3.0, "warmup": 3})
     result, problems = run(a)
     rows = [(role, f"{cores:.4f}") for role, cores in sorted(result["median_cores"].items())]
@@ -246,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                                                      for r, c, m, ok in checked]))
     print(table(["etcd request", "per second"], [(m, f"{v:.2f}") for m, v in result["etcd_requests_per_s"].items()]))
     sidecar = sum(c for r, c in result["median_cores"].items() if not r.startswith("training"))
-    print(f"hotspare's processes together: {sidecar:.4f} cores")
+    print(f"hotspare's processes together: {sidecar:.4f} cores; each rank about {result.get('steps_per_s', 0):.1f} "
+          f"steps/s, {result.get('points_per_s', 0):.2f} replication points/s (replicate_every {result.get('replicate_every')})")
     write_json(a.json, {"benchmark": "sidecar_cpu", "smoke": a.smoke, "machine": machine_info(),
                         "args": {k: v for k, v in vars(a).items() if not k.startswith("_")},
                         "result": result, "sidecar_cores": sidecar,

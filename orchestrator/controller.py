@@ -49,7 +49,7 @@ CONTROLLER_NODE = CONTROLLER  # deprecated alias: chaos commands for the leader 
 #: job's prefix (node keys expiring, reports, done marks, chaos, cancel, the leader key) wakes
 #: the controller through its watch; what this bounds is the latency of a lost watch event
 #: and of straggler scoring, which reads progress records outside the prefix.
-SAFETY_INTERVAL = 5.0
+SAFETY_INTERVAL = 10.0
 
 
 class Controller:

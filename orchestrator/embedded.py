@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import embedded_auth
-from .etcd_server import free_port, start_etcd, stop_pid
+from .etcd_server import LONG_LIVED_HEARTBEAT_MS, free_port, start_etcd, stop_pid
 from .store import ENV_OPTIONS, PASSWORD_FILE_ENV, JobStore, Store
 from .util import atomic_write, pid_alive
 
@@ -159,7 +159,7 @@ def _start(state_dir: Path, old: Cluster | None, log: Callable[[str], object]) -
     t0 = time.monotonic()
     ports = (int(old.endpoint.rsplit(":", 1)[1]), old.peer_port) if old and old.peer_port else None
     srv = start_etcd(state_dir / "etcd", state_dir / "etcd.log", detach=True, ports=ports,
-                     extra_args=embedded_auth.ETCD_ARGS, say=log)
+                     extra_args=embedded_auth.ETCD_ARGS, say=log, heartbeat_ms=LONG_LIVED_HEARTBEAT_MS)
     try:
         password_file = embedded_auth.secure(srv.endpoint, state_dir)
     except BaseException:
@@ -273,7 +273,8 @@ def restart_etcd(state_dir: Path, downtime: float) -> Cluster:
     time.sleep(downtime)
     port = int(c.endpoint.rsplit(":", 1)[1])
     srv = start_etcd(state_dir / "etcd", state_dir / "etcd.log", detach=True, attempts=1,
-                     ports=(port, c.peer_port or free_port()), extra_args=embedded_auth.ETCD_ARGS)
+                     ports=(port, c.peer_port or free_port()), extra_args=embedded_auth.ETCD_ARGS,
+                     heartbeat_ms=LONG_LIVED_HEARTBEAT_MS)
     c.etcd_pid = srv.pid
     c.peer_port = srv.peer_port
     _save(state_dir, c)

@@ -23,6 +23,16 @@ from .util import pid_alive
 
 log = logging.getLogger("hotspare.etcd")
 
+#: A one-member etcd's raft heartbeat costs it CPU on every tick, with or without clients:
+#: idle, 0.013 cores at 50 ms, 0.010 at 100, 0.0053 at 500 (2-vCPU sandbox, 15 s windows);
+#: but it elects itself only after its election timeout, so the first request waits 0.1 s at
+#: 50 ms and 2.5 s at 500. Throwaway etcds (tests, benchmarks) start QUICK; one that lives as
+#: long as the cluster (`hotspare up`) is LONG_LIVED.
+QUICK_HEARTBEAT_MS = 50
+LONG_LIVED_HEARTBEAT_MS = 500
+#: overrides both (the test suite sets it to QUICK: it starts dozens of embedded clusters)
+HEARTBEAT_ENV = "HOTSPARE_ETCD_HEARTBEAT_MS"
+
 
 class EtcdNotFound(RuntimeError):
     pass
@@ -75,7 +85,8 @@ class EtcdServer:
         return f"{scheme}://{'127.0.0.1' if self.host == '127.0.0.1' else '0.0.0.0'}:{port}"
 
     def start(
-        self, log_path: Path | None = None, extra_args: list[str] | None = None, detach: bool = False
+        self, log_path: Path | None = None, extra_args: list[str] | None = None, detach: bool = False,
+        heartbeat_ms: int = QUICK_HEARTBEAT_MS,
     ) -> EtcdServer:
         binary = find_etcd()
         self.log_path = log_path
@@ -93,8 +104,7 @@ class EtcdServer:
             "--listen-peer-urls", peer,
             "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"hotspare={peer}",
-            "--heartbeat-interval", "50",
-            "--election-timeout", "500",
+            *tick_args(heartbeat_ms),
             "--quota-backend-bytes", str(2 * 1024**3),
             "--auto-compaction-mode", "revision",
             "--auto-compaction-retention", "10000",
@@ -164,9 +174,16 @@ def stop_pid(pid: int, timeout: float = 10.0) -> None:
         pass
 
 
+def tick_args(heartbeat_ms: int) -> list[str]:
+    """etcd's raft timing flags for a one-member cluster: ``heartbeat_ms`` unless
+    ``$HOTSPARE_ETCD_HEARTBEAT_MS`` says otherwise, and an election timeout 5-10 x that."""
+    ms = int(os.environ.get(HEARTBEAT_ENV) or heartbeat_ms)
+    return ["--heartbeat-interval", str(ms), "--election-timeout", str(max(500, 5 * ms))]
+
+
 def start_etcd(data_dir: Path, log_path: Path | None = None, detach: bool = False, attempts: int = 3, *,
                ports: tuple[int, int] | None = None, extra_args: list[str] | None = None,
-               say: Callable[[str], object] = log.warning) -> EtcdServer:
+               say: Callable[[str], object] = log.warning, heartbeat_ms: int = QUICK_HEARTBEAT_MS) -> EtcdServer:
     """Start an etcd on two loopback ports (``ports`` first, if given, else free ones) and
     wait until it is healthy.
 
@@ -181,7 +198,7 @@ def start_etcd(data_dir: Path, log_path: Path | None = None, detach: bool = Fals
         client, peer = ports if ports and attempt == 1 else (free_port(), free_port())
         srv = EtcdServer(data_dir=data_dir, client_port=client, peer_port=peer)
         offset = _log_size(log_path)
-        srv.start(log_path=log_path, detach=detach, extra_args=extra_args)
+        srv.start(log_path=log_path, detach=detach, extra_args=extra_args, heartbeat_ms=heartbeat_ms)
         try:
             srv.wait_ready()
             return srv

@@ -40,7 +40,7 @@ class ControlLink:
         node: str,
         on_epoch: Callable[[int], object],
         progress_interval: float = 5.0,
-        poll_interval: float = 10.0,
+        poll_interval: float = 30.0,
     ) -> None:
         self.js = jobstore
         self._session = member

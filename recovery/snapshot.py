@@ -192,16 +192,25 @@ class SnapshotEngine:
         a peer): it keeps the timeline of the state it copies.
 
         On the training thread only the small, step-mutable state is taken (RNG, data
-        position, buffers, JSON; cloned). Everything else — walking the optimizer's state,
-        the layout, the header, waiting for the previous replication point, the big copy —
-        happens on the engine's own thread, before the next ``optimizer.step()``.
+        position, buffers, JSON; cloned) and references to the parameters and optimizer
+        state (providers cache them: a walk only when the set of tensors changed). Everything
+        else — the layout, the header, waiting for the previous replication point, the big
+        copy — happens on the engine's own thread, before the next ``optimizer.step()``.
         """
         t0 = time.perf_counter()
         self.wait()
         sync: dict[str, torch.Tensor] = {}
+        lazy: dict[str, torch.Tensor] = {}
         meta: dict[str, Any] = {}
         for name, p in self.providers:
             if p.async_ok:
+                # references only, taken here and copied later: FSDP2 swaps a module's
+                # registered parameters for unsharded ones (their storage freed after the
+                # forward) while the next step runs, so a walk of the module from the engine's
+                # thread could copy a tensor whose memory is being freed (a SIGSEGV seen in the
+                # FSDP runs) or the wrong tensors
+                for key, t in p.tensors().items():
+                    lazy[f"{name}/{key}"] = t
                 continue
             with torch.no_grad():
                 for key, t in p.tensors().items():
@@ -217,7 +226,7 @@ class SnapshotEngine:
             self._ready = torch.cuda.Event()
             self._ready.record(torch.cuda.current_stream())
         self._idle.clear()
-        self._jobs.put((step, sync, meta, lineage))
+        self._jobs.put((step, sync, lazy, meta, lineage))
         self.last_capture_s = time.perf_counter() - t0
 
     def _run(self) -> None:
@@ -242,15 +251,12 @@ class SnapshotEngine:
         return self._layout_val
 
     @torch.no_grad()
-    def _write(self, step: int, sync: dict[str, torch.Tensor], meta: dict[str, Any],
-               lineage: dict[str, int] | None = None) -> None:
+    def _write(self, step: int, sync: dict[str, torch.Tensor], lazy: dict[str, torch.Tensor],
+               meta: dict[str, Any], lineage: dict[str, int] | None = None) -> None:
         if self.test_delay:
             time.sleep(self.test_delay)
-        lazy: dict[str, torch.Tensor] = {}
         for name, p in self.providers:
             if p.async_ok:
-                for key, t in p.tensors().items():
-                    lazy[f"{name}/{key}"] = t
                 meta[name] = p.meta()
         tensors = {**sync, **lazy}
         infos, table = self._layout(tensors)

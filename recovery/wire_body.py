@@ -198,13 +198,18 @@ def send_file(sock: socket.socket, prefix: bytes, mac: Any, body: FileBody) -> N
     while it is sent, then the frame MAC -- unless the body changed meanwhile (WireError; the
     caller closes the connection)."""
     n = len(body)
-    bufs = (memoryview(bytearray(min(n, FILE_PIECE))), memoryview(bytearray(min(n, FILE_PIECE))))
-    if n <= FILE_PIECE:
-        body.read_into(0, bufs[0])
-        mac.update(bufs[0])
+    if n <= CHUNK:  # a second thread costs more than it saves: read, hash and send in one pass
+        buf = memoryview(bytearray(n))
+        sock.sendall(prefix)
+        for pos in range(0, n, FILE_PIECE):
+            view = buf[pos : pos + FILE_PIECE]
+            body.read_into(pos, view)
+            mac.update(view)
         _check_unchanged(body)
-        sock.sendall(b"".join((prefix, bufs[0], mac.digest())))
+        sock.sendall(buf)
+        sock.sendall(mac.digest())
         return
+    bufs = (memoryview(bytearray(FILE_PIECE)), memoryview(bytearray(FILE_PIECE)))
     sock.sendall(prefix)
     with ThreadPoolExecutor(1, thread_name_prefix="wire-mac") as hasher:
         pending: deque[Future] = deque()

@@ -21,6 +21,21 @@ EXAMPLES = REPO / "examples"
 
 
 @pytest.fixture(scope="session", autouse=True)
+def quick_etcd():
+    """Every etcd the suite starts elects itself in 0.1 s, not `hotspare up`'s 2.5 s (its slow
+    heartbeat saves a long-lived etcd CPU; the suite starts dozens): hotspare.orchestrator.etcd_server."""
+    from hotspare.orchestrator.etcd_server import HEARTBEAT_ENV, QUICK_HEARTBEAT_MS
+
+    old = os.environ.get(HEARTBEAT_ENV)
+    os.environ[HEARTBEAT_ENV] = str(QUICK_HEARTBEAT_MS)
+    yield
+    if old is None:
+        del os.environ[HEARTBEAT_ENV]
+    else:
+        os.environ[HEARTBEAT_ENV] = old
+
+
+@pytest.fixture(scope="session", autouse=True)
 def zygote(tmp_path_factory):
     """One zygote for the whole session (hotspare.agents.zygote): every agent a test starts
     runs in its session and forks its workers from it, so torch is imported once for the suite

@@ -324,6 +324,9 @@ def _progress_line(snap: JobSnapshot, steps: int, shown: int = 0) -> tuple[str, 
 #: every LOG_EVERY); events and the end of the job are shown as they happen (watches)
 REDRAW_EVERY = 1.0
 LOG_EVERY = 5.0
+#: seconds between reads of etcd's alarms while following a job that makes progress (a full etcd
+#: raises NOSPACE); while no rank's step advances they are read every round
+ALARM_EVERY = 30.0
 
 
 def _watch(js: JobStore, spec: JobSpec, out: TextIO, timeout: float | None,
@@ -334,12 +337,24 @@ def _watch(js: JobStore, spec: JobSpec, out: TextIO, timeout: float | None,
     alarm = ""  # etcd's alarm last said (a full etcd answers reads: the job would look stuck, silently)
     printed = start - LOG_EVERY
     wake = Waker()
-    cancels = [js.store.watch_prefix(js.keys.prefix, wake.set), js.store.watch_prefix(js.keys.events_prefix, wake.set)]
+    changed = [True]  # the job's keys or its events changed since the last full read
+
+    def poke() -> None:
+        changed[0] = True
+        wake.set()
+
+    cancels = [js.store.watch_prefix(js.keys.prefix, poke), js.store.watch_prefix(js.keys.events_prefix, poke)]
+    snap, alarm_read = None, -ALARM_EVERY
     try:
         while True:
             try:
-                snap = js.snapshot()
-                new, since = js.events_since(since)
+                new = []
+                if changed[0] or snap is None:
+                    changed[0] = False  # cleared first: an event during the reads reads again
+                    snap = js.snapshot()
+                    new, since = js.events_since(since)
+                else:  # nothing changed but the ranks' progress (outside the watched keys)
+                    snap = js.with_progress(snap)
                 for ev in new:
                     first_placement = ev.kind == EventKind.ASSIGNED and snap.epoch <= 1 and ev.data.get("epoch") == 1
                     if ev.kind in WATCHED and not first_placement:
@@ -347,10 +362,16 @@ def _watch(js: JobStore, spec: JobSpec, out: TextIO, timeout: float | None,
                         print(("\r" if tty else "") + f"{ts} {ev.kind:<10} {ev.message}", file=out, flush=True)
                 if snap.state.terminal:
                     return snap.state.value
-                said, alarm = alarm, etcd_alarm(js.store)
+                line, done = _progress_line(snap, spec.steps, shown)
+                stalled, shown = done == shown, done
+                # a job making progress has no alarm worth a request each round; a stalled one may
+                # (a full etcd answers reads: the job would look stuck, silently)
+                if stalled or time.monotonic() - alarm_read >= ALARM_EVERY:
+                    said, alarm, alarm_read = alarm, etcd_alarm(js.store), time.monotonic()
+                else:
+                    said = alarm
                 if alarm and alarm != said:
                     print(("\n" if tty else "") + alarm, file=out, flush=True)
-                line, shown = _progress_line(snap, spec.steps, shown)
                 if tty:
                     print("\r" + line.ljust(70), end="", file=out, flush=True)
                 elif line != last_line and (time.monotonic() - printed >= LOG_EVERY or snap.epoch != last_epoch):

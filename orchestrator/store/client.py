@@ -436,6 +436,9 @@ class Store:
                     if state["cancelled"]:
                         return
                     try:
+                        # a plain read first: after an etcd restart our auth token is unknown to it, and
+                        # a watch created with it is cancelled at once, silently; the read renews it
+                        self._call(f"read {prefix}", lambda: self._client.get(prefix))
                         state["id"] = self._call(f"watch {prefix}", lambda: self._client.add_watch_prefix_callback(
                             prefix, on_event))
                     except (StoreError, ValueError) as e:

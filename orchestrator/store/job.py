@@ -27,6 +27,7 @@ watches on the job prefix are not woken by every rank's progress report.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -81,6 +82,11 @@ class JobStore:
         if progress:
             kvs += self.store.get_prefix(self.keys.progress_prefix)[0]
         return parse_snapshot(self.job, kvs, rev)
+
+    def with_progress(self, snap: JobSnapshot) -> JobSnapshot:
+        """``snap`` with the ranks' progress records read again (one request)."""
+        fresh = parse_snapshot(self.job, self.store.get_prefix(self.keys.progress_prefix)[0], 0)
+        return dataclasses.replace(snap, progress=fresh.progress)
 
     def agent_keys(self, node: str) -> tuple[list[str], list[str]]:
         """(keys, prefixes) a node agent acts on. Not the whole job: node records come and go

@@ -222,3 +222,17 @@ def test_etcd_auth_smoke(tmp_path):
     assert {r["variant"] for r in data["runs"]} == {"plain", "auth", "auth_cost10"}
     for r in data["runs"]:
         assert r["up_s"] > 0 and r["login_s"] > 0 and r["pairs_per_s"] > 0, r
+
+
+@pytest.mark.timeout(TIMEOUT + 60)
+def test_rendezvous_ops_smoke(tmp_path):
+    """Gloo groups of 2 worker processes built through the rendezvous store of before issue 15
+    (from git) and this tree's, ranks together and one after another; every allreduce right, and
+    etcd's request counts read (the counts themselves: tests/integration/test_rendezvous_ops.py)."""
+    data = assert_ok(*smoke("rendezvous_ops", tmp_path))
+    assert data["config"]["variants"] == ["before", "after"]
+    assert data["config"]["source"]["before"].startswith("git ")
+    assert {(r["variant"], r["n"], r["stagger"]) for r in data["runs"]} == {
+        (v, 2, s) for v in ("before", "after") for s in (0.0, 0.05)}
+    for r in data["runs"]:
+        assert r["ok"] and r["etcd_requests"]["Put"] >= r["n"], r

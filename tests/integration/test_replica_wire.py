@@ -131,7 +131,7 @@ def test_list_and_fetch_serve_a_worker_snapshot(snap, tmp_path, serve):
 
 
 # -- put ------------------------------------------------------------------------------------------
-def test_put_keeps_a_verified_replica_and_refuses_a_corrupt_one(snap, tmp_path, serve):
+def test_put_keeps_a_replica_whose_checksums_are_checked_where_it_is_used(snap, tmp_path, serve):
     src = serve(tmp_path)
     header, body = fetch(HOST, src.port, SECRET, sid=1, step=5)
     dst_dir = tmp_path / "buddy"
@@ -143,16 +143,22 @@ def test_put_keeps_a_verified_replica_and_refuses_a_corrupt_one(snap, tmp_path, 
     h3, b3 = fetch(HOST, dst.port, SECRET, sid=3, step=5)
     assert b3 == body and h3["rank"] == 3 and h3["crc"] == header["crc"]
 
-    # same tensor table and checksums, one flipped byte in the first tensor's bytes
+    # same tensor table and checksums, one flipped byte in the first tensor's bytes: the MAC
+    # passes (a job member sent it), the holder does not spend a pass over the bytes on the
+    # CRC32s; the spare that fetches it checks them and never loads a byte of it
     off = header["tensors"][0]["offset"]
     ch = Channel.client(HOST, dst.port, SECRET, timeout=10)
     try:
         ch.send({"op": "put", "rank": 3, "snapshot": dict(header, step=6)}, _flip(body, off))
+        assert ch.recv()[0] == {"ok": True}
+        with pytest.raises(WireError, match="checksum mismatch"):
+            fetch(HOST, dst.port, SECRET, sid=3, step=6)
+        # a malformed table is refused at once, and the refusal does not cost the connection
+        ch.send({"op": "put", "rank": 3, "snapshot": dict(header, step=7, crc=header["crc"][:-1])}, body)
         reply, _ = ch.recv()
-        assert reply["ok"] is False and "checksum" in reply["error"]
-        # the refusal did not cost the connection
+        assert reply["ok"] is False and "one checksum per tensor" in reply["error"]
         ch.send({"op": "list", "rank": 3})
-        assert ch.recv()[0] == {"ok": True, "steps": [5], "timelines": {"5": 0}}  # one state per step (F20)
+        assert ch.recv()[0] == {"ok": True, "steps": [5, 6], "timelines": {"5": 0, "6": 0}}  # one state per step (F20)
         ch.send({"op": "put", "rank": 3})
         reply, _ = ch.recv()
         assert reply["ok"] is False and "without a snapshot header" in reply["error"]
@@ -160,8 +166,8 @@ def test_put_keeps_a_verified_replica_and_refuses_a_corrupt_one(snap, tmp_path, 
         assert "unknown op" in ch.recv()[0]["error"]
     finally:
         ch.close()
-    assert not (dst_dir / "replica-rank3-step6.bin").exists()
-    assert sorted(p.name for p in dst_dir.iterdir()) == ["replica-rank3-step5.bin"]
+    assert not (dst_dir / "replica-rank3-step7.bin").exists()
+    assert sorted(p.name for p in dst_dir.iterdir()) == ["replica-rank3-step5.bin", "replica-rank3-step6.bin"]
 
 
 def test_put_keeps_only_the_newest_replicas_per_rank(snap, tmp_path, serve):

@@ -77,10 +77,11 @@ def test_a_kicked_periodic_worker_runs_at_once_despite_a_long_interval():
         pw.stop()
 
 
-def _agent_for_sleep(workers, retry=False, partitioned_until=0.0):
+def _agent_for_sleep(workers, retry=False, partitioned_until=0.0, changed=False):
     a = agent_mod.Agent.__new__(agent_mod.Agent)
     a.workers = workers
     a._retry = retry
+    a._changed = changed
     a.hang_timeout = 40.0
     a.chaos = types.SimpleNamespace(partitioned=bool(partitioned_until), partitioned_until=partitioned_until)
     return a
@@ -96,5 +97,32 @@ def test_the_agent_sleeps_until_its_next_deadline_not_a_poll_period(monkeypatch)
     warm = _agent_for_sleep({0: types.SimpleNamespace(state=WorkerState.WARM)})
     assert warm._sleep_for(last_read=1000.0) == agent_mod.SAFETY_READ  # a warm worker has no watchdog
     assert _agent_for_sleep({}, retry=True)._sleep_for(1000.0) == agent_mod.POLL  # a report to retry
+    # a read etcd refused (the loop set _changed again): retried soon, not at the next safety read --
+    # else an idle agent whose etcd died noticed only after SAFETY_READ (test_reruns.py's orphan agent)
+    assert _agent_for_sleep({}, changed=True)._sleep_for(1000.0) == agent_mod.POLL
     assert _agent_for_sleep({}, partitioned_until=1003.0)._sleep_for(1000.0) == 3.0  # heal on time
 
+
+
+def test_a_long_lived_etcd_ticks_slowly_unless_the_environment_says_otherwise(monkeypatch, tmp_path):
+    """`hotspare up`'s etcd runs a 500 ms raft heartbeat (an idle one-member etcd's CPU is
+    mostly its ticks); throwaway ones and $HOTSPARE_ETCD_HEARTBEAT_MS tick every 50 ms."""
+    from hotspare.orchestrator import embedded, etcd_server
+
+    monkeypatch.delenv(etcd_server.HEARTBEAT_ENV, raising=False)
+    assert etcd_server.tick_args(etcd_server.LONG_LIVED_HEARTBEAT_MS) == [
+        "--heartbeat-interval", "500", "--election-timeout", "2500"]
+    assert etcd_server.tick_args(etcd_server.QUICK_HEARTBEAT_MS) == [
+        "--heartbeat-interval", "50", "--election-timeout", "500"]
+    monkeypatch.setenv(etcd_server.HEARTBEAT_ENV, "50")
+    assert etcd_server.tick_args(etcd_server.LONG_LIVED_HEARTBEAT_MS)[:2] == ["--heartbeat-interval", "50"]
+    seen = {}
+
+    def fake_start(*args, **kw):
+        seen.update(kw)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(embedded, "start_etcd", fake_start)
+    with pytest.raises(RuntimeError, match="stop here"):
+        embedded._start(tmp_path, None, log=lambda m: None)
+    assert seen["heartbeat_ms"] == etcd_server.LONG_LIVED_HEARTBEAT_MS  # what `hotspare up` starts

@@ -4,6 +4,8 @@ when none of those holds anything."""
 
 from __future__ import annotations
 
+import pytest
+
 from hotspare.orchestrator.store import Node
 from hotspare.orchestrator.store.records import Seat, World
 from hotspare.recovery import restore as restore_mod
@@ -48,8 +50,10 @@ def cluster(n: int) -> tuple[dict[int, World], list[str]]:
     return {4: before, 5: after}, [x for x in names if x != "node3"] + ["spare0"]
 
 
-def test_the_spare_asks_the_lost_nodes_ring_successors_only(monkeypatch):
-    worlds, live = cluster(1000)
+@pytest.mark.parametrize("n", [10, 1000, 10_000])
+def test_the_spare_asks_the_lost_nodes_ring_successors_only(monkeypatch, n):
+    """The same few agents asked and node records read whatever the number of nodes."""
+    worlds, live = cluster(n)
     js = FakeJobStore(worlds, live)
     asked: list[str] = []
 
@@ -61,7 +65,8 @@ def test_the_spare_asks_the_lost_nodes_ring_successors_only(monkeypatch):
     peers = PeerReplicas(js, sid=3, engine=None, replicas=1)
     assert peers.likely_holders() == ["node3", "node4", "node5", "node6", "node7"]
     assert peers.offer() == {40, 50}
-    assert js.full_reads == 0 and len(asked) == 4  # node3 is gone; 4 of 1,000 agents asked
+    assert js.full_reads == 0 and len(asked) == 4  # node3 is gone; 4 of n agents asked
+    assert sum(len(names) for names in js.nodes_read) <= 8  # node records read: O(replicas), not O(n)
     assert [h[0] for h in peers._holders[50]] == ["node4"]
 
 

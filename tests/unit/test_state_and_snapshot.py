@@ -343,9 +343,9 @@ def test_capture_returns_before_the_lazy_copy_and_wait_completes_it(tmp_path):
     release = threading.Event()
 
     class Held(_Scalar):
-        def tensors(self):  # runs on the engine's thread: hold it until the test looked
+        def meta(self):  # an async provider's meta runs on the engine's thread: hold it there
             release.wait(10)
-            return super().tensors()
+            return super().meta()
 
     eng = SnapshotEngine(tmp_path, sid=0)
     prov = Held()
@@ -359,6 +359,38 @@ def test_capture_returns_before_the_lazy_copy_and_wait_completes_it(tmp_path):
         eng.wait()
         assert slot_steps(tmp_path / "rank0.slot0") == (COMPLETE, 0)
         assert eng.available() == [0]
+    finally:
+        release.set()
+        eng.close()
+
+
+def test_a_lazy_copy_copies_the_tensors_of_the_captured_step_not_what_the_module_holds_later(tmp_path):
+    """FSDP2 swaps a module's registered parameters for unsharded ones during the next forward
+    (and frees their storage after it): the engine must copy the parameters as they were at
+    capture, never walk the module from its own thread while the next step runs."""
+    model = torch.nn.Linear(4, 3)
+    release = threading.Event()
+
+    class Late(_Scalar):
+        def meta(self):  # holds the engine's write until the module has been "swapped"
+            release.wait(10)
+            return super().meta()
+
+    eng = SnapshotEngine(tmp_path, sid=0)
+    eng.providers = [("hold", Late()), *provider_for("model", model)]
+    try:
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        eng.capture(0)
+        # the next step's forward, FSDP2-style: another, bigger parameter registered in its place
+        model.weight = torch.nn.Parameter(torch.full((8, 8), 7.0))
+        release.set()
+        eng.wait()
+        header, data, _ = read_slot(tmp_path / "rank0.slot0")
+        [w] = [t for t in header["tensors"] if t["name"] == "model.params/weight"]
+        assert w["shape"] == [3, 4]
+        values = torch.frombuffer(bytearray(data[w["offset"]: w["offset"] + w["nbytes"]]), dtype=torch.float32)
+        assert torch.equal(values, torch.ones(12))
     finally:
         release.set()
         eng.close()
