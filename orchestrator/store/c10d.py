@@ -34,7 +34,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .client import Compare, Store
+from .client import KV, Compare, Store
 from .errors import StoreError, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class _Watch:
 
     def __init__(self, directory: str, seen: set[str]) -> None:
         self.dir = directory
-        self.id: int | None = None
+        self.id: object = None
         self.seen = seen
         self.live = True
 
@@ -292,34 +292,30 @@ class EtcdC10dStore(dist.Store):
     def _watch(self, d: str, seen: set[str], revision: int) -> None:
         """Watch directory ``d`` from ``revision + 1`` (what the read of ``seen`` at ``revision``
         did not see). On failure nothing is watched: the waiter polls."""
-        from etcd3.events import DeleteEvent
-
         w = _Watch(d, set(seen))
         n = len(self._prefix)
 
-        def on_event(resp: object) -> None:  # etcd3's watch thread: quick, no request
+        def on_changes(changes: list[tuple[KV, bool]] | Exception) -> None:  # the watch thread: quick, no request
             with self._lock:
                 if not w.live:
                     return
-                if isinstance(resp, Exception):  # the stream broke or the revision was compacted: read again
+                if isinstance(changes, Exception):  # the stream broke or the revision was compacted: read again
                     w.live = False
                     if self._watches.get(d) is w:
                         del self._watches[d]
                 else:
-                    for ev in resp.events:  # type: ignore[attr-defined]
-                        key = ev.key.decode()[n:]
-                        if isinstance(ev, DeleteEvent):
+                    for kv, deleted in changes:
+                        key = kv.key[n:]
+                        if deleted:
                             w.seen.discard(key)
                             self._forget(key)
                         else:
                             w.seen.add(key)
-                            self._absorb(key, ev.value, ev.mod_revision, ev.create_revision)
+                            self._absorb(key, kv.value, kv.mod_revision, kv.create_revision)
                 self._changed.notify_all()
 
-        client = self._store._client  # noqa: SLF001 - Store.watch_prefix drops the events' values
         try:
-            w.id = self._store._call(f"watch {self._prefix}{d}", lambda: client.add_watch_prefix_callback(  # noqa: SLF001
-                self._prefix + d, on_event, start_revision=revision + 1))
+            w.id = self._store.watch_changes(self._prefix + d, on_changes, start_revision=revision + 1)
         except (StoreError, ValueError) as e:
             log.debug("no watch on %s%s: %s", self._prefix, d, e)
             return
@@ -355,11 +351,10 @@ class EtcdC10dStore(dist.Store):
         return gone
 
     def _cancel(self, watches: list[_Watch]) -> None:
-        client = self._store._client  # noqa: SLF001
         for w in watches:
             if w.id is None:
                 continue
             try:
-                self._store._call(f"cancel_watch {self._prefix}{w.dir}", lambda w=w: client.cancel_watch(w.id))  # noqa: SLF001
+                self._store.cancel_watch(w.id)
             except Exception as e:  # noqa: BLE001 - a watch the stream already lost
                 log.debug("cancelling the watch on %s%s: %s", self._prefix, w.dir, e)

@@ -409,6 +409,27 @@ class Store:
         return Lease(self, max(1, int(round(ttl))))
 
     # -- watches ----------------------------------------------------------------------
+    def watch_changes(self, prefix: str, on_changes: Callable[[list[tuple[KV, bool]] | Exception], object],
+                      start_revision: int = 0) -> object:
+        """One plain watch of ``prefix`` (from ``start_revision`` when given): ``on_changes`` gets
+        each response's changes as ``(kv, deleted)`` pairs, on etcd3's watch thread (be quick),
+        or the exception that ended the stream (nothing more comes then). Returns the watch id
+        for :meth:`cancel_watch`. Not re-established: :meth:`watch_prefix` is the one that is."""
+        from etcd3.events import DeleteEvent
+
+        def on_event(resp: Any) -> None:
+            if isinstance(resp, Exception):
+                on_changes(resp)
+                return
+            on_changes([(KV(ev.key.decode(), ev.value, ev.mod_revision, ev.create_revision),
+                         isinstance(ev, DeleteEvent)) for ev in resp.events])
+
+        extra = {"start_revision": start_revision} if start_revision else {}
+        return self._call(f"watch {prefix}", lambda: self._client.add_watch_prefix_callback(prefix, on_event, **extra))
+
+    def cancel_watch(self, watch_id: object) -> None:
+        self._call("cancel_watch", lambda: self._client.cancel_watch(watch_id))
+
     def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback()`` (no arguments) on any change under ``prefix``.
 
@@ -417,21 +438,23 @@ class Store:
         re-established in the background, and ``callback`` called once more then: what
         changed while it was down was never delivered. Returns a cancel function.
         """
-        state = {"id": None, "cancelled": False}
+        state: dict[str, Any] = {"id": None, "cancelled": False}
         lock = threading.Lock()
 
-        def on_event(resp: object) -> None:
+        def call() -> None:
             try:
                 callback()
             except Exception:  # noqa: BLE001 - a watcher must never kill the watch thread
                 log.exception("watch callback failed")
-            if isinstance(resp, Exception):
+
+        def on_changes(changes: object) -> None:
+            call()
+            if isinstance(changes, Exception):
                 threading.Thread(target=establish, args=(1.0,), daemon=True).start()
 
-        def establish(delay: float = 0.0) -> None:
+        def establish(delay: float) -> None:
             while True:
-                if delay:
-                    time.sleep(delay)
+                time.sleep(delay)
                 with lock:
                     if state["cancelled"]:
                         return
@@ -439,23 +462,18 @@ class Store:
                         # a plain read first: after an etcd restart our auth token is unknown to it, and
                         # a watch created with it is cancelled at once, silently; the read renews it
                         self._call(f"read {prefix}", lambda: self._client.get(prefix))
-                        state["id"] = self._call(f"watch {prefix}", lambda: self._client.add_watch_prefix_callback(
-                            prefix, on_event))
+                        state["id"] = self.watch_changes(prefix, on_changes)
                     except (StoreError, ValueError) as e:
                         log.debug("watch on %s not established: %s", prefix, e)
                         delay = 1.0
                         continue
                 # what changed while the watch was down was never delivered: say "changed" once
                 # (the callers read then; without this they waited for their safety read)
-                try:
-                    callback()
-                except Exception:  # noqa: BLE001 - a watcher must never kill this thread
-                    log.exception("watch callback failed")
+                call()
                 return
 
         try:
-            state["id"] = self._call(f"watch {prefix}", lambda: self._client.add_watch_prefix_callback(
-                prefix, on_event))
+            state["id"] = self.watch_changes(prefix, on_changes)
         except StoreError:
             threading.Thread(target=establish, args=(1.0,), daemon=True).start()
 
@@ -465,8 +483,8 @@ class Store:
                 wid = state["id"]
             if wid is not None:
                 try:
-                    self._client.cancel_watch(wid)
-                except Exception:  # noqa: BLE001
+                    self.cancel_watch(wid)
+                except Exception:  # noqa: BLE001 - a watch the stream already lost
                     pass
 
         return cancel

@@ -276,7 +276,14 @@ def test_a_watch_on_the_embedded_etcd_still_fires_after_etcd_restarts(tmp_path):
         fired = threading.Semaphore(0)
         cancel = watcher.watch_prefix("/hotspare/w/", fired.release)
         embedded.restart_etcd(sd, downtime=5.0)  # longer than a watch re-establishment attempt
-        writer = embedded.load(sd).store()  # a fresh client: its own token
+        writer = None  # a fresh client, its own token; etcd may refuse a login for a moment after a restart
+        for _ in range(100):
+            try:
+                writer = embedded.load(sd).store()
+                break
+            except StoreError:
+                time.sleep(0.2)
+        assert writer is not None, "cannot log in to the restarted etcd"
         time.sleep(3)  # the watch is re-established meanwhile; its client makes no other request (idle)
         # the re-established watch says "changed" once by itself; three puts must be seen
         # beyond that one (a put every 0.5 s, 20 s at most)
