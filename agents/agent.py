@@ -42,8 +42,15 @@ from hotspare.orchestrator.store import (
 from hotspare.orchestrator.store.records import BadRecord
 from hotspare.orchestrator.util import Waker
 
+from .job_follower import JobFollower
 from .node_chaos import NodeChaos
-from .node_services import NodeServices, ring_buddies, ring_successors, sweep_stale_run_dirs
+from .node_services import (
+    NodeServices,
+    buddies_key,
+    ring_buddies,
+    ring_successors,
+    sweep_stale_run_dirs,
+)
 from .node_view import Buddy
 from .node_workers import (
     OomCounter,
@@ -113,9 +120,9 @@ class Agent:
         self.worker_env = dict(env_for_workers or {})
         self.workers: dict[int, WorkerProc] = {}
         self._wake = Waker()  # set by watches, exits, rings, a lost lease, stop() (signal-safe)
+        self.follow = JobFollower(self.js, node, self._wake.set)  # watches: what changed in the job
         self._retry = False  # something failed and must be tried again soon (a report)
-        self._changed = True  # the job's keys changed since the loop last read them
-        self._buddies_of: tuple[int, list[Buddy]] = (-1, [])  # (epoch, ring buddies) last read
+        self._buddies_of: tuple[tuple | None, list[Buddy]] = (None, [])  # (buddies_key, buddies) last read
         self._stopping = False
         self.incarnation = ""
         self._lease: Lease | None = None
@@ -157,15 +164,13 @@ class Agent:
         self._start(spec)
         self._register()
         self._etcd_seen = time.monotonic()
-        keys, prefixes = self.js.agent_keys(self.node)  # not the whole job: see JobStore.agent_keys
-        cancels = [self.store.watch_prefix(k, self._job_changed) for k in (*keys, *prefixes)]
+        self.follow.start()
         for slot in range(self.slots):  # an active node's first workers take their seats at once
             self._spawn(slot, prewarm=self.role == "spare")
         try:
             return self._loop()
         finally:
-            for cancel in cancels:
-                cancel()
+            self.follow.stop()
             self._shutdown()
 
     def stop(self) -> None:
@@ -249,22 +254,23 @@ class Agent:
     def _buddies(self, world: World) -> list[Buddy]:
         """The ring successors that hold this node's replicas, from their own records: the
         next few of the ring are read (a live one is almost always among them), every
-        successor only when too few of those are alive. Cached per world."""
-        if self._buddies_of[0] == world.epoch:
-            return self._buddies_of[1]
+        successor only when too few of those are alive. Cached while those successors keep
+        their seats (same node, same incarnation): a swap elsewhere in the ring reads nothing."""
         k = self.spec.replicas
+        key = buddies_key(world, self.node, k)
+        if self._buddies_of[0] == key:
+            return self._buddies_of[1]
         after = ring_successors(world, self.node)
         found = ring_buddies(world, self.js.nodes(after[: 2 * k + 2]), self.node, k) if k > 0 else []
         if len(found) < k and len(after) > 2 * k + 2:
             found = ring_buddies(world, self.js.nodes(after), self.node, k)
-        self._buddies_of = (world.epoch, found)
+        self._buddies_of = (key if len(found) == k else None, found)
         return found
 
     # -- main loop ------------------------------------------------------------------------
     def _loop(self) -> int:
-        last_read = 0.0
         while not self._stopping:
-            self._wake.wait(self._sleep_for(last_read))
+            self._wake.wait(self._sleep_for(self.follow.read_at))
             if self.chaos.partitioned and not self.chaos.heal_if_due(self._lease):
                 self._etcd_seen = time.monotonic()  # cut off on purpose: not an outage
                 continue  # cut off: no etcd, no reports, no watchdog
@@ -274,10 +280,9 @@ class Agent:
                 if self._lease is not None and self._lease.lost.is_set():
                     self._fenced("lease lost")
                 now = time.monotonic()
-                if self._changed or now - last_read >= SAFETY_READ or self._retry:
-                    self._changed = False
-                    last_read = now
-                    if self._follow_job():
+                full = now - self.follow.read_at >= SAFETY_READ or self._retry
+                if full or self.follow.pending:
+                    if self._follow_job(full):
                         return 0
                     self._etcd_seen = now
                     self._trouble = ""
@@ -288,7 +293,7 @@ class Agent:
                 if self._etcd_gone():
                     return 1
                 log.warning("etcd: %s (training continues; retrying)", e)
-                self._changed = True  # read again after the pause
+                self.follow.changed()  # read again after the pause
                 time.sleep(0.5)
             except BadRecord as e:  # etcd answered, with a record of the job we cannot read
                 self._etcd_seen = time.monotonic()
@@ -297,16 +302,11 @@ class Agent:
                 self._survive(e)
         return 0
 
-    def _job_changed(self) -> None:
-        """The watch on the job's keys fired (its thread): read the job on the next round."""
-        self._changed = True
-        self._wake.set()
-
     def _sleep_for(self, last_read: float) -> float:
         """How long the loop may sleep: until the next safety read of the job, the next
         watchdog look at an assigned worker's heartbeat (a quarter of ``hang_timeout``: a hang
         is caught within 1.25 x of it), a partition's heal, or a retry."""
-        if self._retry or self._changed:  # a report or a read etcd refused: try again soon
+        if self._retry or self.follow.pending:  # a report to retry, a watch fired, a read refused
             return POLL
         now = time.monotonic()
         t = last_read + SAFETY_READ - now
@@ -337,11 +337,12 @@ class Agent:
                   "leaving; my workers stop with me", silent, self._outage_limit)
         return True
 
-    def _follow_job(self) -> bool:
-        """Read the job once: take the seats its world gives us, run chaos sent to us.
+    def _follow_job(self, full: bool = True) -> bool:
+        """Follow the job once (read it if ``full`` or a watch said so, else apply the world's
+        change: :class:`JobFollower`): take the seats its world gives us, run chaos sent to us.
         True once our run is over (the agent leaves): it ended, was cancelled, or the job's
         records are gone or belong to a newer submission of the name."""
-        snap = self.js.agent_snapshot(self.node)
+        snap = self.follow.read(full)
         over = ("removed from etcd" if snap.spec is None
                 else f"now run {snap.run_id or '?'}, a new submission" if snap.run_id != self.run_id
                 else snap.state.value if snap.state.terminal

@@ -88,6 +88,14 @@ def ring_successors(world: World, me: str) -> list[str]:
     return world.successors(me)
 
 
+def buddies_key(world: World, me: str, k: int) -> tuple:
+    """What :func:`ring_buddies` of ``me`` depends on in ``world``: the first ``2k + 2``
+    successors and the incarnations seated there (a node that re-registered has a new record)."""
+    if k <= 0:
+        return ()
+    return tuple((n, world.incarnation_of(n)) for n in world.successors(me, 2 * k + 2))
+
+
 def ring_buddies(world: World, nodes: Mapping[str, Node], me: str, k: int) -> list[Buddy]:
     """The ``k`` nodes after ``me`` in ring order (nodes of the world, in seat order) that
     hold this node's replicas; never this node itself. ``nodes`` needs only the records of

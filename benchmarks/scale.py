@@ -65,15 +65,19 @@ class SimAgent:
         self.epoch_seen = 0
         self.alive = True
         self.dirty = threading.Event()
+        self.snap = None  # its last read of the job (JobStore.agent_snapshot reuses its world)
+        self.buddies_key: tuple = ()
+        self.full = True  # a watch said "changed": read the job (else apply ``moved``)
+        self.moved = None  # the newest WorldChange record a watch delivered
 
 
 class Simulator:
     """The agents of one process; commands on stdin, observations on stdout (JSON lines)."""
 
-    def __init__(self, endpoint: str, ttl: int, readers: int, prefix: bool = False) -> None:
+    def __init__(self, endpoint: str, ttl: int, readers: int, mode: str = "keys") -> None:
         from hotspare.orchestrator.store import JobStore, Store
 
-        self.prefix = prefix
+        self.prefix, self.full_world = mode == "prefix", mode == "world"
         self.store = Store([endpoint])
         self.js = JobStore(self.store, JOB)
         self.ttl = ttl
@@ -103,12 +107,31 @@ class Simulator:
                                    pid=os.getpid(), warm=slots), _LeaseId(a.lease_id))
         self.agents[name] = a
         # the watches a real agent holds (Agent.run); "prefix": the whole job, as before issue 15
-        keys, prefixes = ([], [self.js.keys.prefix]) if self.prefix else self.js.agent_keys(name)
-        cancels = [self.store.watch_prefix(k, lambda a=a: self._changed(a)) for k in (*keys, *prefixes)]
+        if self.prefix:
+            keys, prefixes = [], [self.js.keys.prefix]
+        else:
+            keys, prefixes = self.js.agent_keys(name) if self.full_world else self.js.agent_watches(name)
+        moved = None if self.prefix or self.full_world else (lambda changes, a=a: self._moved(a, changes))
+        cancels = [self.store.watch_prefix(k, lambda a=a: self._changed(a),
+                                           moved if k == self.js.keys.world_change else None)
+                   for k in (*keys, *prefixes)]
         a.cancel_watch = lambda: [c() for c in cancels]
         self._changed(a)
 
     def _changed(self, a: SimAgent) -> None:
+        a.full = True
+        self._queue(a)
+
+    def _moved(self, a: SimAgent, changes: list) -> None:
+        """The world-change watch's event, as ``Agent._world_changed`` takes it."""
+        for kv, deleted in changes:
+            if deleted:
+                a.full = True
+            elif a.moved is None or kv.mod_revision > a.moved.mod_revision:
+                a.moved = kv
+        self._queue(a)
+
+    def _queue(self, a: SimAgent) -> None:
         if a.alive and not a.dirty.is_set():
             a.dirty.set()
             self.todo.put(a)
@@ -116,20 +139,29 @@ class Simulator:
     def _reader(self) -> None:
         """Read the job for each agent whose watch fired, as ``Agent._follow_job`` does (and,
         at a new world, its ring buddies' records, as ``Agent._buddies`` does)."""
-        from hotspare.agents.node_services import ring_successors
+        from hotspare.agents.node_services import buddies_key, ring_successors
 
         while True:
             a = self.todo.get()
             a.dirty.clear()
             if not a.alive:
                 continue
+            full, moved, a.full, a.moved = a.full, a.moved, False, None  # (one reader per agent)
             try:
                 if self.prefix:
                     snap = self.js.snapshot(progress=False)
-                else:
+                elif self.full_world:
                     snap = self.js.agent_snapshot(a.name)
+                else:  # as Agent._follow_job: the watched change applied, or a read
+                    snap = (self.js.follow_change(a.snap, moved) if moved is not None and not full else None) \
+                        or self.js.agent_snapshot(a.name, a.snap)
+                    a.snap = snap
+                if not self.prefix:
                     if snap.world is not None and snap.world.epoch > a.epoch_seen:
-                        self.js.nodes(ring_successors(snap.world, a.name)[:4])  # replicas: 1
+                        key = buddies_key(snap.world, a.name, 1)  # replicas: 1
+                        if key != a.buddies_key or self.full_world:
+                            self.js.nodes(ring_successors(snap.world, a.name)[:4])
+                            a.buddies_key = key
             except Exception as e:  # noqa: BLE001 - etcd busy: read again
                 self.emit(kind="error", node=a.name, error=str(e))
                 self._changed(a)
@@ -204,7 +236,7 @@ def pump_main(argv: list[str]) -> int:
 
 def sim_main(argv: list[str]) -> int:
     cfg = json.loads(argv[0])
-    sim = Simulator(cfg["endpoint"], cfg["ttl"], cfg["readers"], cfg["agent_read"] == "prefix")
+    sim = Simulator(cfg["endpoint"], cfg["ttl"], cfg["readers"], cfg["agent_read"])
     for name, role in cfg["agents"]:
         sim.start_agent(name, role, cfg["slots"])
     sim.emit(kind="ready", count=len(cfg["agents"]))
@@ -481,9 +513,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=15)
     p.add_argument("--model", action="store_true", help="start nothing: the recovery model at 512 / 1,024 GPUs "
                    "from measured results (--from PATH ..., --plot PATH, --json PATH; see scale_model.py)")
-    p.add_argument("--agent-read", choices=("keys", "prefix"), default="keys",
-                   help="keys: what agents watch and read now (JobStore.agent_keys); prefix: the whole job "
-                   "prefix on every event, as agents did before issue 15 (for comparison)")
+    p.add_argument("--agent-read", choices=("keys", "world", "prefix"), default="keys",
+                   help="keys: what agents watch and read now (JobStore.agent_keys, the world patched "
+                   "from its WorldChange); world: the same keys but the whole world read at every wake "
+                   "and the ring buddies' records at every new world, as before 2026-12-05; prefix: the whole "
+                   "job prefix on every event, as agents did before issue 15 (for comparison)")
     a = parse_args_smoke(p, argv, {"nodes": 50, "failures": 4, "lease_ttl": 3, "timeout": 120.0, "pause": 0.2})
     result, problems = run(a)
     rows = [(k, v["n"], f"{v['p50_s']:.3f}", f"{v['p99_s']:.3f}", f"{v['commit_p50_s']:.3f}",

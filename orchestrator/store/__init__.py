@@ -42,6 +42,7 @@ from .records import (
     Seat,
     StateRecord,
     World,
+    WorldChange,
     last_line,
     traceback_tail,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "QUOTA_FIX",
     "TokenExpired",
     "World",
+    "WorldChange",
     "connect_error",
     "events",
     "list_jobs",

@@ -14,31 +14,27 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlparse
 
 from .errors import QUOTA_FIX, Conflict, LeaseLost, StoreError, StoreFull, StoreUnavailable
 from .lease import Lease
+from .options import (  # noqa: F401 - re-exported: these lived here
+    ENV_OPTIONS,
+    PASSWORD_FILE_ENV,
+    _check_options,
+    connect_error,
+    connect_hint,
+    parse_endpoint,
+    store_options_from_env,
+)
 
 log = logging.getLogger(__name__)
 
 ROOT = "/hotspare/"
+#: the largest answer a client accepts from etcd (gRPC's own default is 4 MB)
+MAX_ANSWER = 256 * 1024 * 1024
 
 T = TypeVar("T")
-
-#: How a process learns the etcd connection's TLS and auth settings: the CLI sets these from its
-#: flags or the job spec, and every agent and worker it starts inherits them (never through etcd).
-ENV_OPTIONS: dict[str, str] = {
-    "ca_cert": "HOTSPARE_ETCD_CA",
-    "cert": "HOTSPARE_ETCD_CERT",
-    "key": "HOTSPARE_ETCD_KEY",
-    "user": "HOTSPARE_ETCD_USER",
-    "password": "HOTSPARE_ETCD_PASSWORD",
-}
-#: A file holding the password (first line), read when $HOTSPARE_ETCD_PASSWORD is not set.
-PASSWORD_FILE_ENV = "HOTSPARE_ETCD_PASSWORD_FILE"
-
 
 class TokenExpired(StoreUnavailable):
     """etcd no longer knows our auth token (it restarted: simple tokens live in its memory)."""
@@ -137,99 +133,6 @@ def _patch_etcd3() -> None:
         grpc._common.MAXIMUM_WAIT_TIMEOUT = GRPC_WAIT_SLICE
 
 
-def parse_endpoint(url: str) -> tuple[str, int, bool]:
-    """``http://host:port`` or ``host:port`` -> (host, port, tls)."""
-    u = urlparse(url if "://" in url else f"http://{url}")
-    if not u.hostname or not u.port:
-        raise ValueError(f"etcd endpoint {url!r} must look like http://HOST:PORT")
-    return u.hostname, u.port, u.scheme == "https"
-
-
-def store_options_from_env(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
-    """TLS and auth keyword arguments for :class:`Store` from :data:`ENV_OPTIONS` (and the
-    password file)."""
-    e = os.environ if env is None else env
-    opts = {name: e.get(var) or None for name, var in ENV_OPTIONS.items()}
-    if opts["password"] is None and e.get(PASSWORD_FILE_ENV):
-        path = e[PASSWORD_FILE_ENV]
-        try:
-            lines = Path(path).read_text().splitlines()
-        except OSError as exc:
-            raise ValueError(f"cannot read the etcd password file {path} (${PASSWORD_FILE_ENV}): "
-                             f"{exc.strerror}") from exc
-        opts["password"] = lines[0] if lines and lines[0] else None
-    return opts
-
-
-def _check_options(endpoint: str, tls: bool, ca_cert: str | None, cert: str | None, key: str | None,
-                   user: str | None, password: str | None) -> None:
-    """Configuration mistakes as one clear ValueError before any connection attempt."""
-    files = {"ca_cert": ca_cert, "cert": cert, "key": key}
-    given = [name for name, path in files.items() if path]
-    if not tls and given:
-        raise ValueError(f"{endpoint} is plain http but TLS files are given ({', '.join(given)}): "
-                         f"use an https:// endpoint for an etcd that serves TLS")
-    if tls and not ca_cert:
-        raise ValueError("https needs the CA certificate that signed etcd's (etcd.ca_cert in the "
-                         f"spec, --etcd-ca or ${ENV_OPTIONS['ca_cert']})")
-    if (cert is None) != (key is None):
-        raise ValueError(f"{'cert' if cert else 'key'} is given without {'key' if cert else 'cert'} "
-                         "(a client certificate needs both)")
-    if (user is None) != (password is None):
-        raise ValueError(f"etcd user {user} has no password (set ${ENV_OPTIONS['password']}, "
-                         f"${PASSWORD_FILE_ENV} or --etcd-password-file)" if user else
-                         "an etcd password is given but no user (etcd.user, --etcd-user)")
-    for name in given:
-        try:
-            with open(files[name], "rb"):
-                pass
-        except OSError as e:
-            raise ValueError(f"etcd {name} {files[name]}: {e.strerror}") from e
-
-
-def connect_hint(error: BaseException, *, tls: bool, client_cert: bool) -> str:
-    """The likely fix for a failed connection, read from what gRPC or etcd said ("" if none)."""
-    msg = str(error)
-    low = msg.lower()
-    if "authentication failed" in low:
-        return ("wrong etcd user or password (etcd.user in the spec or --etcd-user; the password "
-                f"from etcd.password, ${ENV_OPTIONS['password']} or ${PASSWORD_FILE_ENV})")
-    if "user name is empty" in low:
-        return ("this etcd has authentication enabled: give a user (etcd.user or --etcd-user) and "
-                f"its password (etcd.password, ${ENV_OPTIONS['password']} or ${PASSWORD_FILE_ENV})")
-    if "authentication is not enabled" in low:
-        return "this etcd has authentication disabled: remove the etcd user and password"
-    if "permission denied" in low:
-        return ("the etcd user's role lacks access to hotspare's keys: grant it readwrite on the "
-                "range /hotspare to /hotspare0 (see docs/security.md)")
-    if "certificate_verify_failed" in low or "certificate verify failed" in low:
-        return ("the server's certificate is not signed by the CA in ca_cert (--etcd-ca, "
-                f"${ENV_OPTIONS['ca_cert']}), or it does not name this host in its subjectAltName")
-    if any(w in low for w in ("tsi_data_corrupted", "bad_certificate", "certificate_required",
-                              "unknown_ca", "alert")):
-        if not client_cert:
-            return ("the server requires a client certificate: give cert and key (etcd.cert/etcd.key, "
-                    "--etcd-cert/--etcd-key) signed by a CA it trusts")
-        return "the server rejected the client certificate: is it signed by a CA the server trusts?"
-    if "connection refused" in low:
-        return "nothing listens there: is etcd running, and are the host and port right?"
-    if tls and ("socket closed" in low or "wrong_version_number" in low or "handshake" in low):
-        return "the server did not complete a TLS handshake: if it serves plain http, use http://"
-    if not tls and ("socket closed" in low or "connection reset" in low):
-        return ("the server closed the connection: if it serves TLS, use an https:// endpoint and "
-                "give its CA (etcd.ca_cert, --etcd-ca)")
-    if "deadline" in low or "timeout" in low:
-        return "no answer in time: is the host reachable (firewall, wrong address)?"
-    return ""
-
-
-def connect_error(endpoint: str, error: BaseException, options: Mapping[str, str | None]) -> str:
-    """One line for a user: which endpoint, what went wrong, and the likely fix. ``options``
-    are the Store's TLS and auth keyword arguments."""
-    hint = connect_hint(error, tls=parse_endpoint(endpoint)[2], client_cert=bool(options.get("cert")))
-    return f"cannot use etcd at {endpoint}: {error}" + (f"; {hint}" if hint else "")
-
-
 class Store:
     """Connection to etcd with the handful of operations hotspare needs.
 
@@ -278,6 +181,9 @@ class Store:
                     ("grpc.initial_reconnect_backoff_ms", 200),
                     ("grpc.min_reconnect_backoff_ms", 200),
                     ("grpc.max_reconnect_backoff_ms", 1000),
+                    # gRPC refuses answers over 4 MB by default: a job's node records alone
+                    # are ~2 MB at 10,000 nodes (benchmarks/scale.py). etcd bounds requests itself
+                    ("grpc.max_receive_message_length", MAX_ANSWER),
                 ],
             )
         # python3-etcd3 sends the auth token twice, as metadata and as gRPC call credentials;
@@ -350,13 +256,16 @@ class Store:
         ]
         return kvs, resp.header.revision
 
-    def get_many(self, keys: Sequence[str], prefixes: Sequence[str] = ()) -> list[KV]:
-        """Several keys and prefixes in one round trip (one read-only transaction: one
-        revision), for a reader that needs a handful of records, not a whole prefix."""
+    def get_many(self, keys: Sequence[str], prefixes: Sequence[str] = (),
+                 ranges: Sequence[tuple[str, str]] = ()) -> list[KV]:
+        """Several keys, prefixes and key ranges ``[start, end)`` in one round trip (one
+        read-only transaction: one revision), for a reader that needs a handful of records,
+        not a whole prefix."""
         from etcd3 import transactions, utils
 
         ops = [transactions.Get(k) for k in keys]
         ops += [transactions.Get(p, utils.prefix_range_end(p.encode())) for p in prefixes]
+        ops += [transactions.Get(a, b) for a, b in ranges]
         _, responses = self._call("get_many", lambda: self._client.transaction(compare=[], success=ops, failure=[]))
         return [KV(meta.key.decode(), value, meta.mod_revision, meta.create_revision)
                 for found in responses for value, meta in found]
@@ -430,8 +339,10 @@ class Store:
     def cancel_watch(self, watch_id: object) -> None:
         self._call("cancel_watch", lambda: self._client.cancel_watch(watch_id))
 
-    def watch_prefix(self, prefix: str, callback: Callable[[], None]) -> Callable[[], None]:
-        """Call ``callback()`` (no arguments) on any change under ``prefix``.
+    def watch_prefix(self, prefix: str, callback: Callable[[], None],
+                     on_kvs: Callable[[list[tuple[KV, bool]]], None] | None = None) -> Callable[[], None]:
+        """Call ``callback()`` (no arguments) on any change under ``prefix`` -- or, given
+        ``on_kvs``, that with the changes themselves (``(kv, deleted)`` pairs) instead.
 
         Watches are a latency optimisation only: every user also polls, so a watch lost
         during an etcd outage costs speed, not correctness. A broken watch stream is
@@ -448,6 +359,12 @@ class Store:
                 log.exception("watch callback failed")
 
         def on_changes(changes: object) -> None:
+            if on_kvs is not None and isinstance(changes, list):
+                try:
+                    on_kvs(changes)
+                except Exception:  # noqa: BLE001 - a watcher must never kill the watch thread
+                    log.exception("watch callback failed")
+                return
             call()
             if isinstance(changes, Exception):
                 threading.Thread(target=establish, args=(1.0,), daemon=True).start()

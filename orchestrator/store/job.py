@@ -11,6 +11,7 @@ Layout (see docs/architecture.md):
     /hotspare/<job>/failures           handled failures, for the guards     controller (decision txn)
     /hotspare/<job>/epoch              current world version                controller (txn)
     /hotspare/<job>/world/<epoch>      rank -> node table                   controller (same txn)
+    /hotspare/<job>/world_change       what changed since the last world    controller (same txn)
     /hotspare/<job>/nodes/<node>       live agent, under its lease          agent
     /hotspare/<job>/reports/<node>/<r> a worker is gone                     agent
     /hotspare/<job>/done/<rank>        rank finished all steps              worker
@@ -37,7 +38,7 @@ from collections.abc import Iterable
 from hotspare.orchestrator.spec import JobSpec
 
 from . import events
-from .client import Compare, Lease, Store
+from .client import KV, Compare, Lease, Store
 from .errors import Conflict
 from .records import (
     Event,
@@ -49,6 +50,7 @@ from .records import (
     Report,
     StateRecord,
     World,
+    WorldChange,
 )
 from .snapshot import (  # noqa: F401 - CONTROLLER, JobSnapshot and parse_snapshot are re-exported
     CONTROLLER,
@@ -67,6 +69,17 @@ class MissingSecret(RuntimeError):
     """The job's secret is missing from etcd, or too short to be a key."""
 
 
+#: worlds kept in etcd: the current one and the ones before it, back this far (a spare
+#: looks for the node that last ran its seat up to PeerReplicas.LOOKBACK = 8 epochs back);
+#: each decision deletes the one that falls out (680 KB each at 10,000 ranks)
+KEEP_WORLDS = 16
+
+
+def _range_end(prefix: str) -> str:
+    """The end of ``prefix``'s key range (every hotspare prefix ends in "/")."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
 class JobStore:
     """Typed operations on one job's keys."""
 
@@ -77,11 +90,25 @@ class JobStore:
 
     def snapshot(self, progress: bool = True) -> JobSnapshot:
         """The control state at one revision, plus (unless asked not to) the ranks' latest
-        progress records, read right after it."""
-        kvs, rev = self.store.get_prefix(self.keys.prefix)
+        progress records, read right after it.
+
+        Of the worlds only the current one is read (the others are history: 680 KB each at
+        10,000 ranks; a prefix read of them all outgrew gRPC's 4 MB answers after three
+        decisions in benchmarks/scale.py): the rest of the prefix in one transaction, then
+        the world of the epoch it holds -- written once, in the txn that wrote that epoch."""
+        p, worlds = self.keys.prefix, self.keys.world(0).rsplit("/", 1)[0]  # .../world
+        kvs = self.store.get_many([], ranges=[(p, worlds + "/"), (worlds + "0", _range_end(p))])
+        epoch = next((kv for kv in kvs if kv.key == self.keys.epoch), None)
+        if epoch is not None:
+            try:
+                world = self.store.get(self.keys.world(int(epoch.value)))
+            except ValueError:
+                world = None  # parse_snapshot names the bad epoch record
+            if world is not None:
+                kvs.append(world)
         if progress:
             kvs += self.store.get_prefix(self.keys.progress_prefix)[0]
-        return parse_snapshot(self.job, kvs, rev)
+        return parse_snapshot(self.job, kvs, 0)
 
     def with_progress(self, snap: JobSnapshot) -> JobSnapshot:
         """``snap`` with the ranks' progress records read again (one request)."""
@@ -96,13 +123,49 @@ class JobStore:
         k = self.keys
         return [k.spec, k.state, k.cancel, k.checkpoint, k.epoch, k.node(node)], [k.chaos_node_prefix(node)]
 
-    def agent_snapshot(self, node: str) -> JobSnapshot:
-        """What :meth:`agent_keys` names plus the current world: two round trips, whatever
-        the number of nodes. ``nodes`` holds this node's record only (see :meth:`nodes`)."""
+    def agent_watches(self, node: str) -> tuple[list[str], list[str]]:
+        """(keys, prefixes) a node agent watches: :meth:`agent_keys`, with the world's change
+        (whose events carry it: :meth:`follow_change`) in place of the epoch key, which is
+        written in the same txn."""
         keys, prefixes = self.agent_keys(node)
-        kvs = self.store.get_many(keys, prefixes)
+        return [self.keys.world_change if key == self.keys.epoch else key for key in keys], prefixes
+
+    def follow_change(self, previous: JobSnapshot | None, kv: KV) -> JobSnapshot | None:
+        """``previous`` moved on to the world that ``kv`` -- the :class:`WorldChange` record,
+        as a watch delivered it -- describes, without reading etcd; None if the change does
+        not apply to ``previous``'s world (read the job then: :meth:`agent_snapshot`). The
+        epoch key is written in the same txn, so its revision is the record's."""
+        if previous is None or kv.key != self.keys.world_change:
+            return None
+        try:
+            change = WorldChange.from_json(kv.value)
+        except PARSE_ERRORS:
+            return None
+        if change.epoch <= previous.epoch or not change.applies_to(previous.world, previous.epoch_mod):
+            return None
+        return dataclasses.replace(previous, epoch=change.epoch, epoch_mod=kv.mod_revision,
+                                   world=change.apply(previous.world), world_change=change)  # type: ignore[arg-type]
+
+    def agent_snapshot(self, node: str, previous: JobSnapshot | None = None) -> JobSnapshot:
+        """What :meth:`agent_keys` names plus the current world, whatever the number of nodes.
+        ``nodes`` holds this node's record only (see :meth:`nodes`).
+
+        ``previous`` is this agent's last snapshot: its world is reused if it is still the
+        current one, or patched with the :class:`WorldChange` written with the new one -- one
+        round trip and O(changed seats) parsed. Only a world that cannot be derived that way
+        (the first, a missed epoch, a shrink) is read in full: a second round trip and O(N)."""
+        keys, prefixes = self.agent_keys(node)
+        kvs = self.store.get_many([*keys, self.keys.world_change], prefixes)
         snap = parse_snapshot(self.job, kvs, 0)
-        if snap.epoch:
+        if not snap.epoch:
+            return snap
+        known, known_rev = (previous.world, previous.epoch_mod) if previous is not None else (None, 0)
+        change = snap.world_change
+        if known is not None and (known.epoch, known_rev) == (snap.epoch, snap.epoch_mod):
+            snap.world = known
+        elif change is not None and change.epoch == snap.epoch and change.applies_to(known, known_rev):
+            snap.world = change.apply(known)  # type: ignore[arg-type]
+        else:
             world = self.store.get(self.keys.world(snap.epoch))
             if world is not None:
                 snap = parse_snapshot(self.job, [*kvs, world], 0)
@@ -250,6 +313,7 @@ class JobStore:
         """Make ``world`` the current one (epoch key and world record in one txn), optionally
         set the job's ``state``, delete reports ``(node, rank)`` it handled and write the
         failure history ``failures`` (the whole of it: the snapshot's plus the new ones).
+        The world :data:`KEEP_WORLDS` epochs older is deleted.
 
         Fenced twice: on the epoch key's revision read in ``snap`` (a decision based on a
         world that has moved on since is refused, so two controllers can never both write
@@ -258,13 +322,16 @@ class JobStore:
         puts: dict[str, bytes | str] = {
             self.keys.epoch: str(world.epoch),
             self.keys.world(world.epoch): world.to_json(),
+            self.keys.world_change: WorldChange.between(snap.world if snap.world and snap.world.epoch == snap.epoch
+                                                        else None, snap.epoch_mod, world).to_json(),
         }
         if state is not None:
             puts[self.keys.state] = StateRecord(state.value, time.time()).to_json()
         if failures is not None:
             puts[self.keys.failures] = _failures_json(failures)
+        old = [self.keys.world(world.epoch - KEEP_WORLDS)] if world.epoch > KEEP_WORLDS else []
         return self.store.txn(self._decision_fence(snap, leader), puts=puts,
-                              deletes=self._report_keys(clear_reports))
+                              deletes=self._report_keys(clear_reports) + old)
 
     def clear_reports(self, snap: JobSnapshot, reports: Iterable[tuple[str, int]], *,
                       leader: str) -> bool:

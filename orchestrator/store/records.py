@@ -6,6 +6,7 @@ JSON crosses the store boundary.
 
 from __future__ import annotations
 
+import functools
 import json
 import types
 import typing
@@ -134,6 +135,21 @@ class Seat:
     sid: int = -1
 
 
+#: World.from_json's last results, by record bytes, and WorldChange.apply's (oldest first)
+_PARSED_WORLDS: dict[bytes, World] = {}
+_APPLIED: dict[tuple, tuple[World, World]] = {}
+
+
+def _remember(cache: dict, key: object, value: object, keep: int = 4) -> None:
+    """``cache[key] = value``, dropping the oldest entries beyond ``keep``; any thread."""
+    try:
+        while len(cache) >= keep:
+            cache.pop(next(iter(cache)), None)
+    except (RuntimeError, StopIteration):  # another thread trimmed it meanwhile
+        pass
+    cache[key] = value
+
+
 @dataclass(frozen=True)
 class World:
     """The rank -> node table of one epoch. Written with the epoch in one fenced txn."""
@@ -154,14 +170,34 @@ class World:
         s = self.seats[rank].sid
         return rank if s < 0 else s
 
-    def successors(self, node: str) -> list[str]:
+    def successors(self, node: str, limit: int | None = None) -> list[str]:
         """The other nodes of this world in ring order (nodes in seat order), starting after
-        ``node``: a node's replica buddies are the first live ones. Empty if it holds no seat."""
-        ring = list(dict.fromkeys(s.node for s in self.seats))
-        if node not in ring:
+        ``node`` (the first ``limit`` of them): a node's replica buddies are the first live
+        ones. Empty if it holds no seat. O(limit) after the first call on this world."""
+        ring, at = self._ring
+        i = at.get(node)
+        if i is None:
             return []
-        i = ring.index(node)
-        return [ring[(i + j) % len(ring)] for j in range(1, len(ring))]
+        n = len(ring) - 1 if limit is None else min(limit, len(ring) - 1)
+        return [ring[(i + j) % len(ring)] for j in range(1, n + 1)]
+
+    def incarnation_of(self, node: str) -> str | None:
+        """The incarnation ``node`` holds its (first) seat as, or None if it holds none."""
+        ring, at = self._ring
+        i = at.get(node)
+        return None if i is None else self._incarnations[i]
+
+    @functools.cached_property
+    def _ring(self) -> tuple[list[str], dict[str, int]]:
+        ring = list(dict.fromkeys(s.node for s in self.seats))
+        return ring, {n: i for i, n in enumerate(ring)}
+
+    @functools.cached_property
+    def _incarnations(self) -> list[str]:
+        first: dict[str, str] = {}
+        for s in self.seats:
+            first.setdefault(s.node, s.incarnation)
+        return list(first.values())  # in ring order: dicts keep insertion order
 
     def ranks_on(self, node: str, incarnation: str | None = None) -> list[int]:
         return [
@@ -184,6 +220,20 @@ class World:
 
     @classmethod
     def from_json(cls, raw: bytes) -> World:
+        """The world in ``raw``. The last few parsed are kept (a world is immutable): a
+        process that reads the same record again -- the controller every round, an agent at
+        each safety read, simulated agents sharing a process (benchmarks/scale.py) -- gets the
+        same object back instead of another N seats."""
+        raw = bytes(raw)
+        hit = _PARSED_WORLDS.get(raw)
+        if hit is not None:
+            return hit
+        world = cls._from_json(raw)
+        _remember(_PARSED_WORLDS, raw, world)
+        return world
+
+    @classmethod
+    def _from_json(cls, raw: bytes) -> World:
         d = json.loads(raw)
         if not isinstance(d, dict) or not isinstance(d.get("epoch"), int) or not isinstance(d.get("seats"), list):
             raise TypeError("a World record is a JSON object with an integer epoch and a list of seats")
@@ -216,6 +266,87 @@ def last_line(text: str) -> str:
     """A traceback's last non-empty line (``ValueError: boom``), or ""."""
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1] if lines else ""
+
+
+@dataclass(frozen=True)
+class WorldChange:
+    """How the world of ``epoch`` differs from the one it replaced (``base``, whose epoch key
+    was written at revision ``base_rev``): the seats that changed, by rank, and the new size.
+    The controller writes it with the world, in the same txn, so that an agent holding the
+    base world learns the new one from a record of O(changed seats) instead of reading and
+    parsing all N seats -- at 1,000 nodes every agent read a 68 KB world per decision
+    (benchmarks/scale.py). ``base`` 0: no usable base (the first world, or one where most seats
+    changed, e.g. a shrink): read the world record."""
+
+    epoch: int
+    base: int = 0
+    base_rev: int = 0
+    size: int = 0
+    seats: dict[int, Seat] = field(default_factory=dict)
+    reason: str = ""
+    lost: tuple[int, ...] = ()
+    shrunk_from: int = 0
+    grown_from: int = 0
+
+    #: above this share of changed seats the change is not written (the world is as cheap)
+    MOST = 0.25
+
+    @classmethod
+    def between(cls, old: World | None, old_rev: int, new: World) -> WorldChange:
+        if old is None or not old_rev:
+            return cls(epoch=new.epoch)
+        changed = {r: s for r, s in enumerate(new.seats) if r >= old.size or old.seats[r] != s}
+        if len(changed) > max(1, cls.MOST * new.size):
+            return cls(epoch=new.epoch)
+        return cls(epoch=new.epoch, base=old.epoch, base_rev=old_rev, size=new.size, seats=changed,
+                   reason=new.reason, lost=new.lost, shrunk_from=new.shrunk_from,
+                   grown_from=new.grown_from)
+
+    def applies_to(self, old: World | None, old_rev: int) -> bool:
+        return bool(self.base) and old is not None and (old.epoch, old_rev) == (self.base, self.base_rev)
+
+    def apply(self, old: World) -> World:
+        """The world of :attr:`epoch`, built from ``old`` (which :meth:`applies_to`). The last
+        few results are kept, as :meth:`World.from_json` keeps its own: simulated agents that
+        share a process (benchmarks/scale.py) share one world per epoch."""
+        key = (self.epoch, self.base, self.base_rev, self.size, tuple(self.seats.items()),
+               self.reason, self.lost, self.shrunk_from, self.grown_from)
+        hit = _APPLIED.get(key)
+        if hit is not None and (hit[0] is old or hit[0] == old):
+            return hit[1]
+        new = self._apply(old)
+        _remember(_APPLIED, key, (old, new))
+        return new
+
+    def _apply(self, old: World) -> World:
+        seats = list(old.seats[: self.size])
+        grown = self.size - len(seats)
+        seats += [None] * grown  # type: ignore[list-item]
+        for r, s in self.seats.items():
+            seats[r] = s
+        if grown > 0 and any(s is None for s in seats[-grown:]):
+            raise ValueError(f"world change {self.base} -> {self.epoch} leaves seats unset")
+        return World(epoch=self.epoch, seats=tuple(seats), reason=self.reason, lost=self.lost,
+                     shrunk_from=self.shrunk_from, grown_from=self.grown_from)
+
+    def to_json(self) -> bytes:
+        return _dump({"epoch": self.epoch, "base": self.base, "base_rev": self.base_rev,
+                      "size": self.size, "seats": {str(r): asdict(s) for r, s in self.seats.items()},
+                      "reason": self.reason, "lost": list(self.lost),
+                      "shrunk_from": self.shrunk_from, "grown_from": self.grown_from})
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> WorldChange:
+        d = json.loads(raw)
+        if not isinstance(d, dict) or not isinstance(d.get("epoch"), int):
+            raise TypeError("a WorldChange record is a JSON object with an integer epoch")
+        seats = {int(r): Seat(**_known(Seat, s)) for r, s in d.get("seats", {}).items()}
+        size = int(d.get("size", 0))
+        if any(not 0 <= r < size for r in seats):
+            raise ValueError(f"a WorldChange record names a seat outside its size {size}")
+        return cls(epoch=d["epoch"], base=int(d.get("base", 0)), base_rev=int(d.get("base_rev", 0)),
+                   size=size, seats=seats, reason=d.get("reason", ""), lost=tuple(d.get("lost", ())),
+                   shrunk_from=d.get("shrunk_from", 0), grown_from=d.get("grown_from", 0))
 
 
 @dataclass(frozen=True)

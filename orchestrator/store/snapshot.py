@@ -21,6 +21,7 @@ from .records import (
     Report,
     StateRecord,
     World,
+    WorldChange,
 )
 
 log = logging.getLogger("hotspare.store")
@@ -71,6 +72,10 @@ class JobKeys:
 
     def world(self, epoch: int) -> str:
         return f"{self.prefix}world/{epoch:08d}"
+
+    @property
+    def world_change(self) -> str:
+        return self.prefix + "world_change"
 
     def node(self, node: str) -> str:
         return f"{self.prefix}nodes/{node}"
@@ -124,6 +129,8 @@ class JobSnapshot:
     epoch: int = 0
     epoch_mod: int = 0  # mod_revision of the epoch key (0: absent): the fence for decisions
     world: World | None = None
+    #: how the current world differs from the one before (:class:`WorldChange`), if read
+    world_change: WorldChange | None = None
     nodes: dict[str, Node] = field(default_factory=dict)
     reports: list[Report] = field(default_factory=list)
     done: dict[int, dict] = field(default_factory=dict)
@@ -204,6 +211,8 @@ def _parse_record(snap: JobSnapshot, keys: JobKeys, kv: KV, worlds: dict[int, Wo
     elif rel == "failures":
         snap.failures = tuple(Failure.from_json(json.dumps(f).encode())
                               for f in json.loads(kv.value))
+    elif rel == "world_change":
+        snap.world_change = WorldChange.from_json(kv.value)
     elif rel == "epoch":
         snap.epoch = int(kv.value)
         snap.epoch_mod = kv.mod_revision

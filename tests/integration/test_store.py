@@ -168,6 +168,56 @@ def test_commit_decision_is_refused_for_a_non_leader_and_on_a_stale_epoch(etcd):
     assert snap.state is JobState.RUNNING, "only the first world sets the state"
 
 
+def test_an_agent_learns_each_new_world_from_its_change_and_reads_it_whole_only_when_it_must(etcd):
+    """agent_snapshot(previous) gives the world a full read gives, at every kind of decision,
+    and reads the world record only for the first world, a shrink (most seats renumbered), a
+    missed epoch, and an epoch key rewritten since (a resubmitted name counts epochs again)."""
+    st = Store([etcd.endpoint])
+    js, _ = _placed_job(st, "change")
+    assert js.try_lead("A", st.lease(5))[0]
+    read: list[str] = []
+    get = st.get
+    st.get = lambda key: (read.append(key), get(key))[1]  # type: ignore[method-assign]
+    seats = tuple(Seat(f"node{i % 2}", f"inc{i % 2}", 1) for i in range(8))
+
+    def decide_and_follow(world: World, previous) -> tuple:
+        assert js.commit_decision(js.snapshot(), world, leader="A", state=JobState.RUNNING)
+        assert js.snapshot().world == world
+        read.clear()
+        snap = js.agent_snapshot("node0", previous)
+        assert snap.world == world
+        return snap, [k for k in read if "/world/" in k]
+
+    snap, whole = decide_and_follow(World(1, seats, reason="initial placement"), None)
+    assert whole == [js.keys.world(1)], "the first world is read whole"
+    swapped = World(2, seats[:3] + (Seat("spare", "incS", 2, sid=3),) + seats[4:], reason="rank 3", lost=(3,))
+    snap2, whole = decide_and_follow(swapped, snap)
+    assert whole == [] and snap2.world_change.seats == {3: swapped.seats[3]}, "a swap: one seat's change"
+    moved = get(js.keys.world_change)  # what the agent's watch on it delivers
+    read.clear()
+    followed = js.follow_change(snap, moved)
+    assert followed.world == swapped and followed.epoch_mod == snap2.epoch_mod and read == []
+    assert js.follow_change(snap2, moved) is None, "a change already applied is not applied again"
+    again = js.agent_snapshot("node0", snap2)
+    assert again.world is snap2.world and not [k for k in read if "/world/" in k], "same epoch: reused"
+    grown = World(3, swapped.seats + (Seat("node1", "inc1", 3, sid=8),), reason="grow", grown_from=8)
+    snap3, whole = decide_and_follow(grown, snap2)
+    assert whole == [] and snap3.world.size == 9
+    shrunk = World(4, tuple(Seat("node0", "inc0", 4, sid=s.sid if s.sid >= 0 else r)
+                            for r, s in enumerate(grown.seats[:6])), reason="shrink", shrunk_from=9)
+    snap4, whole = decide_and_follow(shrunk, snap3)
+    assert whole == [js.keys.world(4)] and snap4.world_change.base == 0, "most seats changed: read whole"
+    five = World(5, shrunk.seats[:5] + (Seat("node1", "inc1", 5, sid=5),), reason="rank 5")
+    assert js.commit_decision(js.snapshot(), five, leader="A")
+    six = World(6, five.seats[:4] + (Seat("node1", "inc1", 6, sid=4),) + five.seats[5:], reason="rank 4")
+    snap6, whole = decide_and_follow(six, snap4)
+    assert whole == [js.keys.world(6)], "epoch 5 was missed: its change does not apply to epoch 4"
+    assert js.follow_change(snap4, get(js.keys.world_change)) is None
+    st.put(js.keys.epoch, "6")  # same number, written again: not the world this agent holds
+    read.clear()
+    assert js.agent_snapshot("node0", snap6).world == six and read == [js.keys.world(6)]
+
+
 def test_clear_reports_is_fenced_like_a_decision(etcd):
     st = Store([etcd.endpoint])
     js, _ = _placed_job(st, "clear")

@@ -81,7 +81,7 @@ def _agent_for_sleep(workers, retry=False, partitioned_until=0.0, changed=False)
     a = agent_mod.Agent.__new__(agent_mod.Agent)
     a.workers = workers
     a._retry = retry
-    a._changed = changed
+    a.follow = types.SimpleNamespace(pending=changed)
     a.hang_timeout = 40.0
     a.chaos = types.SimpleNamespace(partitioned=bool(partitioned_until), partitioned_until=partitioned_until)
     return a
@@ -97,7 +97,7 @@ def test_the_agent_sleeps_until_its_next_deadline_not_a_poll_period(monkeypatch)
     warm = _agent_for_sleep({0: types.SimpleNamespace(state=WorkerState.WARM)})
     assert warm._sleep_for(last_read=1000.0) == agent_mod.SAFETY_READ  # a warm worker has no watchdog
     assert _agent_for_sleep({}, retry=True)._sleep_for(1000.0) == agent_mod.POLL  # a report to retry
-    # a read etcd refused (the loop set _changed again): retried soon, not at the next safety read --
+    # a read etcd refused (the loop marked the job changed again): retried soon, not at the next safety read --
     # else an idle agent whose etcd died noticed only after SAFETY_READ (test_reruns.py's orphan agent)
     assert _agent_for_sleep({}, changed=True)._sleep_for(1000.0) == agent_mod.POLL
     assert _agent_for_sleep({}, partitioned_until=1003.0)._sleep_for(1000.0) == 3.0  # heal on time

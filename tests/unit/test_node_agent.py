@@ -319,7 +319,7 @@ def test_stop_from_a_signal_handler_ends_the_main_loop(monkeypatch):
 
     agent.chaos = _Chaos()  # type: ignore[assignment]
     agent.services = _Services()  # type: ignore[assignment]
-    monkeypatch.setattr(agent, "_follow_job", lambda: False)
+    monkeypatch.setattr(agent, "_follow_job", lambda full=True: False)
     monkeypatch.setattr(agent, "_publish", lambda force=False: None)
     previous = signal.signal(signal.SIGALRM, lambda *_: agent.stop())
     try:

@@ -206,7 +206,7 @@ def test_the_agent_loop_survives_a_job_record_it_cannot_parse(monkeypatch):
     agent.services = _Services()  # type: ignore[assignment]
     calls = []
 
-    def follow() -> bool:
+    def follow(full: bool = True) -> bool:
         calls.append(1)
         if len(calls) < 3:
             raise BadRecord("/hotspare/j/epoch", "ValueError: invalid literal for int()")
