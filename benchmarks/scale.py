@@ -65,10 +65,8 @@ class SimAgent:
         self.epoch_seen = 0
         self.alive = True
         self.dirty = threading.Event()
-        self.snap = None  # its last read of the job (JobStore.agent_snapshot reuses its world)
+        self.follow = None  # its JobFollower (keys mode): what its watches said, its last view
         self.buddies_key: tuple = ()
-        self.full = True  # a watch said "changed": read the job (else apply ``moved``)
-        self.moved = None  # the newest WorldChange record a watch delivered
 
 
 class Simulator:
@@ -106,32 +104,21 @@ class Simulator:
         self.js.register_node(Node(name=name, incarnation=os.urandom(6).hex(), role=role, slots=slots,
                                    pid=os.getpid(), warm=slots), _LeaseId(a.lease_id))
         self.agents[name] = a
-        # the watches a real agent holds (Agent.run); "prefix": the whole job, as before issue 15
-        if self.prefix:
-            keys, prefixes = [], [self.js.keys.prefix]
+        # the watches a real agent holds: its JobFollower (Agent.run); "world": the same keys
+        # but every event a read; "prefix": the whole job, as before issue 15
+        if self.full_world or self.prefix:
+            keys, prefixes = ([], [self.js.keys.prefix]) if self.prefix else self.js.agent_keys(name)
+            cancels = [self.store.watch_prefix(k, lambda a=a: self._changed(a)) for k in (*keys, *prefixes)]
+            a.cancel_watch = lambda: [c() for c in cancels]
         else:
-            keys, prefixes = self.js.agent_keys(name) if self.full_world else self.js.agent_watches(name)
-        moved = None if self.prefix or self.full_world else (lambda changes, a=a: self._moved(a, changes))
-        cancels = [self.store.watch_prefix(k, lambda a=a: self._changed(a),
-                                           moved if k == self.js.keys.world_change else None)
-                   for k in (*keys, *prefixes)]
-        a.cancel_watch = lambda: [c() for c in cancels]
+            from hotspare.agents.job_follower import JobFollower
+
+            a.follow = JobFollower(self.js, name, lambda a=a: self._changed(a))
+            a.follow.start()
+            a.cancel_watch = a.follow.stop
         self._changed(a)
 
     def _changed(self, a: SimAgent) -> None:
-        a.full = True
-        self._queue(a)
-
-    def _moved(self, a: SimAgent, changes: list) -> None:
-        """The world-change watch's event, as ``Agent._world_changed`` takes it."""
-        for kv, deleted in changes:
-            if deleted:
-                a.full = True
-            elif a.moved is None or kv.mod_revision > a.moved.mod_revision:
-                a.moved = kv
-        self._queue(a)
-
-    def _queue(self, a: SimAgent) -> None:
         if a.alive and not a.dirty.is_set():
             a.dirty.set()
             self.todo.put(a)
@@ -146,16 +133,13 @@ class Simulator:
             a.dirty.clear()
             if not a.alive:
                 continue
-            full, moved, a.full, a.moved = a.full, a.moved, False, None  # (one reader per agent)
             try:
                 if self.prefix:
                     snap = self.js.snapshot(progress=False)
                 elif self.full_world:
                     snap = self.js.agent_snapshot(a.name)
                 else:  # as Agent._follow_job: the watched change applied, or a read
-                    snap = (self.js.follow_change(a.snap, moved) if moved is not None and not full else None) \
-                        or self.js.agent_snapshot(a.name, a.snap)
-                    a.snap = snap
+                    snap = a.follow.read()
                 if not self.prefix:
                     if snap.world is not None and snap.world.epoch > a.epoch_seen:
                         key = buddies_key(snap.world, a.name, 1)  # replicas: 1

@@ -133,6 +133,14 @@ def _patch_etcd3() -> None:
         grpc._common.MAXIMUM_WAIT_TIMEOUT = GRPC_WAIT_SLICE
 
 
+def _safely(fn: Callable[..., object], *args: object) -> None:
+    """A watch callback: whatever it raises is logged, never kills the watch thread."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - a watcher must never kill the watch thread
+        log.exception("watch callback failed")
+
+
 class Store:
     """Connection to etcd with the handful of operations hotspare needs.
 
@@ -352,20 +360,11 @@ class Store:
         state: dict[str, Any] = {"id": None, "cancelled": False}
         lock = threading.Lock()
 
-        def call() -> None:
-            try:
-                callback()
-            except Exception:  # noqa: BLE001 - a watcher must never kill the watch thread
-                log.exception("watch callback failed")
-
         def on_changes(changes: object) -> None:
             if on_kvs is not None and isinstance(changes, list):
-                try:
-                    on_kvs(changes)
-                except Exception:  # noqa: BLE001 - a watcher must never kill the watch thread
-                    log.exception("watch callback failed")
+                _safely(on_kvs, changes)
                 return
-            call()
+            _safely(callback)
             if isinstance(changes, Exception):
                 threading.Thread(target=establish, args=(1.0,), daemon=True).start()
 
@@ -386,7 +385,7 @@ class Store:
                         continue
                 # what changed while the watch was down was never delivered: say "changed" once
                 # (the callers read then; without this they waited for their safety read)
-                call()
+                _safely(callback)
                 return
 
         try:
