@@ -14,7 +14,7 @@ in its own process (peak RSS = ``ru_maxrss`` of that process):
 * hotspare-h   OffloadedAdamW, horizontal accumulation loop, overlap=True
 * hotspare-h-sync   the same with overlap=False (step() waits for every layer)
 * hotspare-v   OffloadedAdamW with ``vertical_step`` (all micro-batches block by block)
-* hotspare-v-nocrc   the same with ``verify=False`` (no CRC32: lengths only), for the CPU cost
+* hotspare-v-nocrc   the same with ``verify=False`` (no checksums: lengths only), for the CPU cost
 * deepspeed    ZeRO-3, ``offload_optimizer: nvme`` on DeepSpeed's CPU accelerator, run by
                ``--deepspeed-python`` (its own venv); it swaps fp32 master weights too (12
                bytes/param each way, vs 8 for hotspare, whose parameters stay in RAM)
@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
                         "+RSS MB", "note"], rows, left=2))
     for name, s in results.items():
         x = s["aims"]
-        for key, label in (("crc32", "hotspare (CRC32)"), ("nocrc", "hotspare-v without CRC")):
+        for key, label in (("crc32", "hotspare (checksums on)"), ("nocrc", "hotspare-v without checksums")):
             if key not in x:
                 continue
             y = x[key]

@@ -32,14 +32,20 @@ def make_model(features: int = 16) -> nn.Module:
     return nn.Sequential(nn.Linear(features, 64), nn.ReLU(), nn.Linear(64, 1))
 
 
-def train(session, batch_size: int = 16, accum: int = 2, lr: float = 1e-2, seed: int = 0) -> None:
+def train(session, batch_size: int = 16, accum: int = 2, lr: float = 1e-2, seed: int = 0,
+          offload_dir: str | None = None) -> None:
     rank = dist.get_rank()
     torch.manual_seed(seed)
 
     dataset = make_dataset(seed=seed)
     loader = session.data_loader(dataset, batch_size=batch_size * accum, shuffle=True, seed=seed, drop_last=True)
     model = DDP(make_model(), process_group=session.process_group)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    if offload_dir:  # AdamW's moments on disk, bit-identical results (docs/user-guide.md, section 8)
+        from hotspare import OffloadedAdamW
+
+        opt = OffloadedAdamW(model, path=f"{offload_dir}/{session.node}-rank{rank}", lr=lr, weight_decay=0.01)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=session.total_steps)
     session.track(model=model, optimizer=opt, scheduler=sched)
 

@@ -21,6 +21,9 @@ _EXPORTS = {
     "ElasticDataLoader": "hotspare.recovery.data",
     "UntrackedDataLoaderWarning": "hotspare.recovery.data",
     "StateProvider": "hotspare.recovery.state",
+    "OffloadedAdamW": "hotspare.recovery.offload",
+    "OffloadError": "hotspare.recovery.offload_io",
+    "vertical_step": "hotspare.recovery.offload_vertical",
     "load_final": "hotspare.recovery.final",
     "load_checkpoint": "hotspare.recovery.final",
 }

@@ -50,11 +50,20 @@ the file; the optimizer then refuses to continue, and the previous version is un
 ``load_from(opt.state_files())`` (or the directory) on a new optimizer restores it. Nothing is
 fsync'ed: the files survive a crash of the process (what hotspare recovers from), not a power cut.
 
-**Snapshots (hotspare).** The optimizer is itself a state provider (``tensors()``, ``meta()``,
-``load()``; ``async_ok``), so ``session.track(optimizer=opt)`` works: ``tensors()`` finishes
-pending updates and reads the state back into fresh tensors (the whole state in RAM: part 1;
-part 2 is to ship ``state_files()`` instead). With ``overlap=True`` parameters are updated
-after ``step()`` returns: call ``opt.finish()`` before anything reads them all.
+**Snapshots (hotspare).** The optimizer is itself a state provider, so
+``session.track(model=model, optimizer=opt)`` makes its state part of every snapshot, replica and
+checkpoint, and a spare restores it (into its own ``path``). Nothing is copied on the training
+thread: the snapshot engine, on its own thread, waits for the pending updates and reads the
+layer files straight into the snapshot (``meta()``/``fill()``), while the next forward runs; the
+next iteration's first update waits for that read (``on_update_start``, which the session
+hooks). The price: each snapshot slot in shared memory holds a copy of the optimizer state
+(offload keeps the state out of the training process, not off the node while hot swap is on).
+With ``overlap=True`` parameters are updated after ``step()`` returns: call ``opt.finish()``
+before code of your own reads them all (the session does so before it snapshots them).
+
+**DDP.** ``DistributedDataParallel`` averages gradients at the end of backward, after the
+gradient hooks fired: with a DDP model the default is ``step_in_backward=False`` (every layer
+is updated from ``step()``, still overlapped with the next forward), and ``True`` is refused.
 
 Limits: dense contiguous CPU parameters (no DTensor), no ``add_param_group``, torch's single-tensor
 update (what ``torch.optim.AdamW`` runs on CPU), not foreach/fused.
@@ -93,7 +102,8 @@ class OffloadedAdamW(OffloadStateMixin, torch.optim.Optimizer):
     ``layers``: modules, each one layer (default: each module's direct parameters).
     ``ram_budget_bytes``: RAM for state buffers (default: two layers' worth).
     ``overlap``: ``step()`` hands off and each layer's forward waits for its own update.
-    ``step_in_backward``: update layers from gradient hooks (else everything in ``step()``).
+    ``step_in_backward``: update layers from gradient hooks (else everything in ``step()``);
+    default: yes, unless ``model`` is a ``DistributedDataParallel`` (refused there).
     ``accumulation_steps``: backward passes per step (the last one's hooks update).
     ``io_threads``, ``direct`` (O_DIRECT), ``verify`` (CRC32), ``chunk``: the I/O backend.
     """
@@ -104,13 +114,26 @@ class OffloadedAdamW(OffloadStateMixin, torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  amsgrad: bool = False, *, maximize: bool = False, param_groups: list[dict] | None = None,
                  layers: Sequence[nn.Module] | None = None, ram_budget_bytes: int | None = None,
-                 overlap: bool = True, step_in_backward: bool = True, accumulation_steps: int = 1,
+                 overlap: bool = True, step_in_backward: bool | None = None, accumulation_steps: int = 1,
                  io_threads: int = 4, direct: bool = True, verify: bool = True, chunk: int = CHUNK) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
         super().__init__(param_groups if param_groups is not None else list(model.parameters()), defaults)
         if accumulation_steps < 1:
             raise ValueError("accumulation_steps must be >= 1")
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel):
+            if step_in_backward:
+                raise ValueError("step_in_backward=True with a DistributedDataParallel model would update layers "
+                                 "from each rank's own gradients (DDP averages them at the end of backward): "
+                                 "leave step_in_backward unset (False under DDP)")
+            step_in_backward = False
+        step_in_backward = True if step_in_backward is None else step_in_backward
         self.model, self.overlap, self.in_backward = model, overlap, step_in_backward
+        #: called on the training thread before an iteration's first layer update is queued (the
+        #: hotspare session waits there for the snapshot still reading the files and parameters)
+        self.on_update_start: list[Any] = []
+        self._started = -1  # the iteration on_update_start was last called for
         self.accumulation_steps = accumulation_steps
         self.root = Path(path)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -193,6 +216,12 @@ class OffloadedAdamW(OffloadStateMixin, torch.optim.Optimizer):
         if self._error is not None:
             raise self._error
 
+    def _starting(self) -> None:
+        if self._started != self._it:
+            self._started = self._it
+            for fn in self.on_update_start:  # outside the lock: they may wait for a snapshot's finish()
+                fn()
+
     def _on_grad(self, L: Layer, i: int, p: torch.Tensor) -> None:
         if self._mode == "accumulate" or self._error is not None:
             return
@@ -200,6 +229,7 @@ class OffloadedAdamW(OffloadStateMixin, torch.optim.Optimizer):
             n = self._counts[id(p)] = self._counts.get(id(p), 0) + 1
             if n < self.accumulation_steps:
                 return
+        self._starting()
         with self._cv:
             if L.pending is not None and L.pending < self._it:
                 self._wait_locked([L])  # its previous update (a forward that skipped it)
@@ -225,6 +255,7 @@ class OffloadedAdamW(OffloadStateMixin, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._raise()
+        self._starting()
         t0 = time.perf_counter()
         with self._cv:
             t = self._it

@@ -17,10 +17,11 @@ anonymous ``mmap``\\ s, and every region of a layer file is a multiple of :data:
 A layer file (one per layer and version ``a``/``b``) is laid out exactly like its RAM buffer::
 
     [0, header_len)          header: MAGIC, u32 length, JSON {layer, gen, data_len, chunk,
-                             crcs: CRC32 per chunk of the data, steps: per-parameter step}
+                             crcs: checksum per chunk of the data, sum: its algorithm
+                             (CHECKSUM), steps: per-parameter step}
     [header_len, +data_len)  the state tensors, packed, zero-padded to ALIGN
 
-The data is written first (chunks in parallel, each chunk's CRC32 computed by the thread that
+The data is written first (chunks in parallel, each chunk's checksum computed by the thread that
 writes it) and the header last, so a header describes data that was completely written.
 """
 
@@ -45,6 +46,28 @@ from torch import nn
 from torch.optim.optimizer import _get_scalar_dtype
 
 log = logging.getLogger(__name__)
+
+#: the checksum of every chunk, named in each file's header ("sum"; files without one: "crc32").
+#: CRC-32C (the ``crc32c`` package: SSE4.2/ARMv8 instructions, the GIL released) checks 9.1 GB/s
+#: here against zlib's CRC-32's 2.3 GB/s: at 0.54 GB moved per step that was 0.24 CPU seconds a
+#: step on a 2-core machine, which the training's own threads needed
+SUMS: dict[str, Callable[..., int]] = {"crc32": zlib.crc32}
+try:
+    from crc32c import crc32c as _crc32c
+
+    SUMS["crc32c"] = _crc32c
+    CHECKSUM = "crc32c"
+except ImportError:  # pragma: no cover - a dependency; zlib's CRC-32 still checks every chunk
+    CHECKSUM = "crc32"
+
+
+def checksum_fn(name: str, path: str) -> Callable[..., int]:
+    """The function of a header's ``sum``."""
+    try:
+        return SUMS[name]
+    except KeyError:
+        raise OffloadError(f"{path} was checked with {name!r}, which this installation lacks: "
+                           f"pip install {name}") from None
 
 ALIGN = 4096
 MAGIC = b"HSOFFST1"
@@ -158,6 +181,7 @@ class IOBackend:
         self.chunk = chunk
         self.direct = direct
         self.verify = verify
+        self.sum = CHECKSUM  # what this backend's writes are checked with (SUMS)
         self.paths: dict[int, str] = {}
         self.bytes_read = self.bytes_written = 0
         self.busy_s = 0.0
@@ -220,9 +244,11 @@ class IOBackend:
         return batch
 
     def read(self, fd: int, buf: Buffer, start: int, end: int, crcs: list[int] | None = None,
-             on_done: Callable[[Batch], None] | None = None) -> Batch:
+             on_done: Callable[[Batch], None] | None = None, algo: str | None = None) -> Batch:
         """Read ``[start, end)`` of ``fd`` into the same offsets of ``buf``, checking each chunk
-        against ``crcs`` when given (and verifying)."""
+        against ``crcs`` when given (and verifying) with the checksum ``algo`` (a header's ``sum``;
+        None: this backend's own, :attr:`sum`)."""
+        fn = checksum_fn(algo or self.sum, self.paths.get(fd, str(fd))) if crcs is not None and self.verify else None
         ranges = self._ranges(start, end)
         if crcs is not None and self.verify and len(crcs) != len(ranges):
             raise OffloadError(f"{self.paths.get(fd, fd)}: its header lists {len(crcs)} chunk CRCs, "
@@ -231,7 +257,7 @@ class IOBackend:
         for i, (a, b) in enumerate(ranges):
             self._begin()
             want = crcs[i] if crcs is not None and self.verify else None
-            self.pool.submit(self._read_chunk, fd, buf, a, b, want, batch, i)
+            self.pool.submit(self._read_chunk, fd, buf, a, b, want, batch, i, fn)
         return batch
 
     def _write_chunk(self, fd: int, buf: Buffer, a: int, b: int, batch: Batch, i: int) -> None:
@@ -239,7 +265,7 @@ class IOBackend:
         try:
             view = buf.view[a:b]
             if self.verify:
-                crc = zlib.crc32(view)
+                crc = SUMS[self.sum](view)
             done = 0
             while done < b - a:
                 n = os.pwritev(fd, [view[done:]], a + done)
@@ -253,7 +279,7 @@ class IOBackend:
         batch._finish_one(i, crc, err)
 
     def _read_chunk(self, fd: int, buf: Buffer, a: int, b: int, want: int | None, batch: Batch,
-                    i: int) -> None:
+                    i: int, fn: Callable[..., int] | None = None) -> None:
         crc, err = 0, None
         path = self.paths.get(fd, str(fd))
         try:
@@ -265,10 +291,10 @@ class IOBackend:
                     raise OffloadError(f"{path} is truncated: it ends at byte {a + done}, the layer's state "
                                        f"needs {b} bytes; restore the optimizer from a snapshot or checkpoint")
                 done += n
-            if want is not None:
-                crc = zlib.crc32(view)
+            if want is not None and fn is not None:
+                crc = fn(view)
                 if crc != want:
-                    raise OffloadError(f"{path} is corrupt: CRC32 mismatch in bytes [{a}, {b}) (read {crc:#010x}, "
+                    raise OffloadError(f"{path} is corrupt: checksum mismatch in bytes [{a}, {b}) (read {crc:#010x}, "
                                        f"written {want:#010x}); restore the optimizer from a snapshot or checkpoint")
         except BaseException as e:  # noqa: BLE001 - handed to the batch's owner
             err = e
@@ -340,7 +366,8 @@ class Layer:
     def header_meta(self, gen: int, io: IOBackend, crcs: list[int], steps: list[float]) -> dict[str, Any]:
         return {"layer": self.index, "name": self.name, "gen": gen, "data_len": self.data_len,
                 "header_len": self.header_len, "chunk": io.chunk, "numels": [p.numel() for p in self.params],
-                "keys": list(self.keys), "crcs": crcs if io.verify else None, "steps": steps}
+                "keys": list(self.keys), "crcs": crcs if io.verify else None,
+                "sum": io.sum if io.verify else None, "steps": steps}
 
     def trainable(self) -> int:
         return sum(p.requires_grad for p in self.params)

@@ -4,17 +4,18 @@ offloaded state (a mixin of the optimizer; its methods run on the training threa
 * ``state_files()`` -- for the last completed step: per layer, the file and version (``a``/``b``)
   that hold it (``None``: the layer has no state yet, its moments are zero). Valid until the
   optimizer completes the *next* step and starts writing the one after (a layer's write only
-  ever goes to the version not holding its state at the last completed step). This is what part
-  2 ships instead of copies; the same dict is ``manifest.json`` in the directory.
+  ever goes to the version not holding its state at the last completed step). The same dict is
+  ``manifest.json`` in the directory.
 * ``load_from(files_or_directory)`` -- restore from such a dict (files of this optimizer are
   adopted in place, others are copied, every one checked against its CRCs) or a directory with
   a ``manifest.json``.
 * ``read_state()`` / ``state_dict()`` / ``load_state_dict()`` -- per-parameter tensors, torch's
   optimizer format (``AdamW.state_dict()`` loads into this optimizer and back).
-* ``tensors()`` / ``meta()`` / ``load()`` / ``async_ok`` -- hotspare's state-provider protocol
-  (:mod:`hotspare.recovery.state`): ``tensors()`` finishes pending updates and returns fresh
-  tensors read back from the files (names ``<param name>:<key>``), so the snapshot engine may
-  copy them in the background.
+* ``tensors()`` / ``meta()`` / ``fill()`` / ``load()`` / ``async_ok`` -- hotspare's state-provider
+  protocol (:mod:`hotspare.recovery.state`): ``tensors()`` returns placeholders on the ``meta``
+  device (names ``<param name>:<key>``; nothing is read on the training thread); on the snapshot
+  engine's thread ``meta()`` waits for pending updates and pins the file versions, and ``fill()``
+  reads them, layer by layer, straight into the snapshot's memory.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class OffloadStateMixin:
                 raise OffloadError(f"{path} holds step {head.get('gen')}, the manifest says {expect_gen}: the "
                                    "files were changed after the manifest was written")
             buf = Buffer(L.total)
-            io._sync(io.read(fd, buf, L.header_len, L.total, head.get("crcs")))
+            io._sync(io.read(fd, buf, L.header_len, L.total, head.get("crcs"), algo=head.get("sum") or "crc32"))
             return buf, head
         finally:
             if not own:
@@ -113,7 +114,9 @@ class OffloadStateMixin:
         self.finish()  # type: ignore[attr-defined]
         with self._cv:  # type: ignore[attr-defined]
             self._paused = True
-            while any(L.state == S.LOADING for L in self.layers):  # type: ignore[attr-defined]
+            # and the updates of an iteration step() never closed (a failed step rolled back): a
+            # layer still computing or writing would land on the files this restore writes
+            while any(L.state in (S.LOADING, S.COMPUTING, S.WRITING) for L in self.layers):  # type: ignore[attr-defined]
                 self._cv.wait()  # type: ignore[attr-defined]
             for L in self.layers:  # type: ignore[attr-defined]
                 self._release(L)  # type: ignore[attr-defined]
@@ -121,6 +124,8 @@ class OffloadStateMixin:
     def _restored(self, step: int) -> None:
         with self._cv:  # type: ignore[attr-defined]
             self._it = self._done = int(step)  # type: ignore[attr-defined]
+            self._started = -1  # the next update calls on_update_start again
+            self._seen = []
             self._queue.clear()  # type: ignore[attr-defined]
             self._left.clear()  # type: ignore[attr-defined]
             self._counts.clear()  # type: ignore[attr-defined]
@@ -173,9 +178,8 @@ class OffloadStateMixin:
             L.cur = -1
             for s in L.steps:
                 s.zero_()
-        elif e["path"] in L.paths:  # our own file: adopt it as it is
+        elif e["path"] in L.paths and self._same_sum(L, L.paths.index(e["path"])):  # ours: adopted as it is
             v = L.paths.index(e["path"])
-            self._fd(L, v)  # type: ignore[attr-defined]
             head = self.io.read_header(L.fds[v])  # type: ignore[attr-defined]
             L.cur, L.crcs[v], L.gens[v] = v, head.get("crcs"), head["gen"]
             L.crcs[1 - v] = None  # the other version is unknown: never listed again
@@ -184,6 +188,13 @@ class OffloadStateMixin:
         else:
             buf, head = self._read_layer(L, e["path"], e["gen"])
             self._write_sync(L, buf, head["steps"], head["gen"])
+
+    def _same_sum(self, L: Layer, v: int) -> bool:
+        """Whether our file ``v`` of ``L`` is checked the way this optimizer checks what it reads
+        (a file of an older version, checked with another sum, is rewritten instead)."""
+        self._fd(L, v)  # type: ignore[attr-defined]
+        head = self.io.read_header(L.fds[v])  # type: ignore[attr-defined]
+        return not self.io.verify or (head.get("sum") or "crc32") == self.io.sum  # type: ignore[attr-defined]
 
     def _install(self, state: Mapping[int, Mapping[str, torch.Tensor]], step: int) -> None:
         """Write per-parameter state (keyed by ``id(param)``) into every layer's files."""
@@ -241,15 +252,57 @@ class OffloadStateMixin:
 
     # -- hotspare state provider ------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
-        names = {id(p): n for L in self.layers for p, n in zip(L.params, L.names, strict=True)}  # type: ignore[attr-defined]
-        out = {f"{names[id(p)]}:{k}": t for p, st in self.read_state().items() for k, t in st.items()}
-        self._meta = {"step": self._done, "groups": self._groups_meta()}  # type: ignore[attr-defined]
-        return out
+        """Placeholders on the ``meta`` device: the names, shapes and dtypes of the state a
+        snapshot holds (every parameter's ``step`` and moments; zeros for one never stepped).
+        No data is read here, on the training thread: the snapshot engine asks :meth:`fill`
+        for the bytes on its own thread, after :meth:`meta`."""
+        if getattr(self, "_placeholders", None) is None:
+            out: dict[str, torch.Tensor] = {}
+            for L in self.layers:  # type: ignore[attr-defined]
+                for i, (p, n) in enumerate(zip(L.params, L.names, strict=True)):
+                    out[f"{n}:step"] = torch.empty((), dtype=L.steps[i].dtype, device="meta")
+                    for k in L.keys:
+                        out[f"{n}:{k}"] = torch.empty(p.shape, dtype=p.dtype, device="meta")
+            self._placeholders = out
+        # the hyper-parameters now (an LR scheduler changes them on this thread after the next step)
+        self._groups_at_capture = self._groups_meta()
+        return self._placeholders
 
     def meta(self) -> Any:
-        if getattr(self, "_meta", None) is None:
-            self.tensors()
-        return self._meta
+        """Waits for the updates of every ``step()`` so far, then pins down which file version
+        holds each layer (what :meth:`fill` reads). Runs on the snapshot engine's thread; the
+        next iteration's first update waits for the snapshot (``on_update_start``), and the
+        version read is the one an update writes only two iterations later."""
+        self.finish()  # type: ignore[attr-defined]
+        files = self.state_files()
+        groups = getattr(self, "_groups_at_capture", None) or self._groups_meta()
+        self._groups_at_capture = None
+        self._snapshot_files = files
+        return {"format": FORMAT, "step": files["step"], "groups": groups}
+
+    def fill(self, dsts: Mapping[str, torch.Tensor]) -> None:
+        """Write the state :meth:`meta` pinned down into ``dsts`` (the snapshot's own memory,
+        named as :meth:`tensors`), one layer at a time through one layer-sized buffer: the
+        only RAM it takes beyond the snapshot itself. Every file is checked against its CRCs."""
+        files = self._snapshot_files
+        entries = {e["index"]: e for e in files["layers"]}
+        for L in self.layers:  # type: ignore[attr-defined]
+            e = entries[L.index]
+            if e["path"] is None:
+                for n in L.names:
+                    for k in ("step", *L.keys):
+                        if f"{n}:{k}" in dsts:
+                            dsts[f"{n}:{k}"].zero_()
+                continue
+            buf, head = self._read_layer(L, e["path"], e["gen"])
+            views = L.views(buf)
+            for i, n in enumerate(L.names):
+                if f"{n}:step" in dsts:
+                    dsts[f"{n}:step"].fill_(head["steps"][i])
+                for k in L.keys:
+                    if f"{n}:{k}" in dsts:
+                        dsts[f"{n}:{k}"].copy_(views[k][i])
+            del views, buf
 
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Any) -> None:
         params = {n: p for L in self.layers for p, n in zip(L.params, L.names, strict=True)}  # type: ignore[attr-defined]

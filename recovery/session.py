@@ -49,7 +49,7 @@ from .restore import (
 )
 from .shm_budget import check_room, need_for
 from .snapshot import SnapshotEngine
-from .state import ModuleState, RNGState, provider_for
+from .state import ModuleState, RNGState, materialized, provider_for
 
 __all__ = ["Session", "Fenced", "Unrecoverable", "COLLECTIVE_TIMEOUT", "WINDOW"]
 
@@ -175,6 +175,8 @@ class Session:
             providers += provider_for(name, obj)
             if isinstance(obj, torch.optim.Optimizer):
                 obj.register_step_pre_hook(self._before_optimizer_step)
+            if hasattr(obj, "on_update_start"):  # an OffloadedAdamW updates layers before step()
+                obj.on_update_start.append(self._before_optimizer_step)
         self.snapshots.providers = providers
 
     def _before_optimizer_step(self, *_: object) -> None:
@@ -434,6 +436,6 @@ class Session:
         tensors: dict[str, torch.Tensor] = {}
         meta: dict = {}
         for name, p in self.snapshots.providers:
-            tensors.update({f"{name}/{k}": t for k, t in p.tensors().items()})
+            tensors.update({f"{name}/{k}": t for k, t in materialized(p).items()})
             meta[name] = p.meta()
         write_rank(self.spec.output_dir, self.rank, total - 1, tensors, meta)

@@ -285,10 +285,13 @@ class SnapshotEngine:
         if views is None:
             views = self._views[k] = [slot.view(info) for info in infos]
         pairs = list(zip(views, tensors.values(), strict=True))
+        self._fill(tensors, pairs)
         on_gpu = self._launch_device_copies(slot, pairs)
         published = 0
         for i, ((dst, src), info) in enumerate(zip(pairs, infos, strict=True)):
-            if src.is_cuda:
+            if src.is_meta:
+                pass  # filled by its provider (above)
+            elif src.is_cuda:
                 on_gpu[i].synchronize()  # device -> pinned host copy on the side stream
             else:
                 dst.copy_(src)
@@ -303,6 +306,17 @@ class SnapshotEngine:
         if created:
             # then the other slots, once this copy is done: not competing with it
             self._preparer.prepare_others(len(hb), data_len)
+
+    def _fill(self, tensors: dict[str, torch.Tensor], pairs: list) -> None:
+        """Placeholders on the ``meta`` device: their provider writes the bytes itself
+        (``fill({key: destination})``), e.g. an offloaded optimizer reading its files."""
+        wanted: dict[str, dict[str, torch.Tensor]] = {}
+        for name, (dst, src) in zip(tensors, pairs, strict=True):
+            if src.is_meta:
+                comp, key = name.split("/", 1)
+                wanted.setdefault(comp, {})[key] = dst
+        for comp, dsts in wanted.items():
+            dict(self.providers)[comp].fill(dsts)
 
     def _slot_for(self, k: int, header_len: int, data_len: int) -> tuple[Slot, bool]:
         """Slot ``k`` (and whether it was made anew: it could not hold this layout). A layout bigger

@@ -7,6 +7,11 @@ A provider has three methods (the protocol a custom component implements):
     load(tensors, meta) -> None          restore; ``tensors`` are read-only views into
                                          snapshot memory: copy, never keep them
 
+An ``async_ok`` provider may return placeholders on the ``meta`` device from ``tensors()``
+(shape and dtype, no data) and implement ``fill(destinations)``: the snapshot engine then calls
+``meta()`` and ``fill({key: tensor})`` on its own thread, with the snapshot's memory to write
+into (an offloaded optimizer reads its files there; nothing is read on the training thread).
+
 ``async_ok`` says whether the provider's tensors change only inside ``optimizer.step()``
 (parameters, optimizer state): those are copied in the background while the next
 forward/backward runs. Everything else (RNG, data position, buffers, JSON values) is
@@ -32,6 +37,18 @@ class StateProvider(Protocol):
     def meta(self) -> Any: ...
 
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Any) -> None: ...
+
+
+def materialized(p: Any) -> dict[str, torch.Tensor]:
+    """``p.tensors()`` with data: placeholders on the ``meta`` device filled into new memory."""
+    tensors = p.tensors()
+    lazy = {k: t for k, t in tensors.items() if t.is_meta}
+    if not lazy:
+        return tensors
+    p.meta()  # pins down what fill() reads
+    real = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in lazy.items()}
+    p.fill(real)
+    return {**tensors, **real}
 
 
 # -- FSDP2: DTensors are snapshotted and restored as their local shards -------------------

@@ -49,9 +49,12 @@ def _entrypoint(tmp: Path) -> str:
 
 def _popen(cluster, *args: str, log: Path) -> subprocess.Popen:
     """`hotspare ARGS` with its output in ``log`` (not in the fixture's process group: the
-    test sends it signals itself)."""
+    test sends it signals itself). SIGINT is set back to its default in the child, as at a
+    terminal: a suite started in the background (`make test &` from a script) ignores SIGINT,
+    that is inherited, and Python then installs no KeyboardInterrupt handler."""
     return subprocess.Popen([sys.executable, "-m", "hotspare.orchestrator.cli", *args], env=cluster.env,
-                            cwd=cluster.tmp, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+                            cwd=cluster.tmp, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def job_processes(job: str) -> list[int]:

@@ -11,6 +11,7 @@ every process, so their states differ between *any* two runs and are left out.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,31 @@ def test_ddp_ends_bit_identical_after_a_node_loss(cluster, references):
     s = run_ok(cluster, "ddp_train.py", "ddp-node", chaos=[{"at_step": 9, "action": "kill-node", "rank": 0}])
     assert [r["kind"] for r in s["recoveries"]] == ["node-loss"]
     assert_identical(references["ddp"], cluster.tmp / "out" / "ddp-node", skip=UNSEEDED)
+
+
+def test_offloaded_adamw_ends_bit_identical_to_adamw_through_a_kill_rank_and_a_node_loss(cluster, references):
+    """examples/ddp_train.py with ``offload_dir``: AdamW's moments in files on disk
+    (OffloadedAdamW, overlapped with the next forward), through a kill-rank and then a node
+    loss, whose spare restores the moments from a replica into files of its own. Every
+    parameter and moment of every rank equals the plain torch.optim.AdamW run's, bit for bit."""
+    cluster.controller()
+    off = cluster.tmp / "offload"
+    s = run_ok(cluster, "ddp_train.py", "ddp-offload", spares=2,
+               args={"batch_size": 8, "accum": 2, "offload_dir": str(off)},
+               chaos=[{"at_step": 8, "action": "kill-rank", "rank": 1},
+                      {"at_step": 16, "action": "kill-node", "rank": 0}])
+    assert len(s["recoveries"]) == 2 and s["recoveries"][1]["kind"] == "node-loss", s["recoveries"]
+    got, ref = load_final(cluster.tmp / "out" / "ddp-offload"), references["ddp"]
+    names = ["module.0.weight", "module.0.bias", "module.2.weight", "module.2.bias"]  # ddp_train.make_model
+    for r in range(3):
+        for i, n in enumerate(names):
+            assert torch.equal(got.ranks[r][f"model.params/{n}"], ref.ranks[r][f"model.params/{n}"]), (r, n)
+            for k in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(got.ranks[r][f"optimizer/{n}:{k}"], ref.ranks[r][f"optimizer/state.#{i}.{k}"]), (r, n, k)
+    spare = s["recoveries"][1]["spare_node"]  # took rank 0: its moments are files of its own
+    assert json.loads((off / f"{spare}-rank0" / "manifest.json").read_text())["step"] == STEPS
+    restored = [e for e in cluster.job("ddp-offload").events() if e.kind == "restored" and e.data["rank"] == 0]
+    assert restored[-1].data["source"].startswith("replica on"), [e.data for e in restored]
 
 
 def test_fsdp2_shards_end_bit_identical_after_a_kill_rank(cluster, references):

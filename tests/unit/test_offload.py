@@ -15,6 +15,7 @@ from torch import nn
 
 from hotspare.recovery import offload_io
 from hotspare.recovery.offload import OffloadedAdamW, OffloadError, vertical_step
+from hotspare.recovery.state import materialized
 
 D_IN, D, D_OUT = 8, 32, 4
 
@@ -331,7 +332,8 @@ def test_torch_state_dict_and_provider_round_trip(pair, tmp_path):
     sd = opt.state_dict()  # torch format out
     ref2 = torch.optim.AdamW(m1.parameters(), lr=1e-2, weight_decay=0.1)
     ref2.load_state_dict(sd)
-    tensors, meta = opt.tensors(), json.loads(json.dumps(opt.meta()))  # the provider protocol
+    tensors = materialized(opt)  # the provider protocol: placeholders, meta(), fill()
+    meta = json.loads(json.dumps(opt.meta()))
     m3 = copy.deepcopy(m2)
     other = OffloadedAdamW(m3, tmp_path / "prov", lr=0.5)
     try:
@@ -342,3 +344,37 @@ def test_torch_state_dict_and_provider_round_trip(pair, tmp_path):
         assert_same(m1, ref2, m3, other)
     finally:
         other.close()
+
+
+def test_files_checked_with_zlib_crc32_restore_and_corruption_is_still_caught(pair, tmp_path):
+    """Files written before the checksum became CRC-32C (zlib's CRC-32: the header's "sum" says
+    so, or says nothing) restore, checked with their own sum, into an optimizer using CRC-32C;
+    a flipped byte in one of them is still caught."""
+    m1, ref, m2, opt = pair(lr=1e-2)
+    opt.io.sum = "crc32"  # as an older version wrote them
+    data = batches(4)
+    train(m1, ref, data[:2])
+    train(m2, opt, data[:2])
+    opt.finish()
+    files = opt.state_files()
+    for m3_dir, damage in (("new", False), ("bad", True)):
+        m3 = copy.deepcopy(m2)
+        other = OffloadedAdamW(m3, tmp_path / m3_dir, lr=1e-2)
+        try:
+            assert other.io.sum == offload_io.CHECKSUM
+            if damage:
+                path = files["layers"][0]["path"]
+                with open(path, "r+b") as f:
+                    f.seek(os.path.getsize(path) - 100)
+                    b = f.read(1)
+                    f.seek(-1, 1)
+                    f.write(bytes([b[0] ^ 0xFF]))
+                with pytest.raises(OffloadError, match="corrupt"):
+                    other.load_from(files)
+                continue
+            other.load_from(files)
+            train(m1, ref, data[2:])
+            train(m3, other, data[2:])
+            assert_same(m1, ref, m3, other)
+        finally:
+            other.close()
