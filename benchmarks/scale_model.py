@@ -415,6 +415,10 @@ def main(argv: list[str] | None = None) -> int:
           "sourced NCCL init range; restore from the link's share up to hotspare's measured rate.\n")
     for line in CAVEATS:
         print(f"caveat: {line}")
+    if measured["restore"] is None:  # the restore column is then the link's share only: say so
+        print(f"caveat: hotspare's own restore rate is not measured here ({a.restore_from} is missing): the "
+              "restore column is the link's share alone, a floor; run .venv/bin/python benchmarks/restore_rss.py "
+              f"--label after --trials 5 --json {RESTORE_JSON}")
     print()
     print(assumption_table(results))
     for line in CONTEXT:
