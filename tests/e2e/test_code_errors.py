@@ -121,7 +121,9 @@ def test_a_module_that_cannot_load_in_the_workers_fails_the_job_without_a_respaw
     assert summary["error"].splitlines()[-1] == "RuntimeError: the cluster has no /data/shards"
     assert "RuntimeError: the cluster has no /data/shards" in r.stderr
     logs = sorted((cluster.tmp / "out" / "broken" / "logs").glob("worker-*-slot*.log"))
-    assert 2 <= len(logs) <= 3, logs  # the spare's worker may not have started before the job failed
+    # one log per worker that got as far as opening it: the first start-up error fails the job, so
+    # the other node's worker (and the spare's) may not have started by then (seen in a full suite)
+    assert 1 <= len(logs) <= 3, logs
     starts = [log.read_text().count(WORKER_STARTED) for log in logs]
     # one worker per slot: a start-up error is not respawned (a worker stopped with the failed
     # job before it got as far as saying it started has an empty log: 0 starts)
