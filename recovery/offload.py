@@ -94,6 +94,20 @@ __all__ = ["OffloadedAdamW", "OffloadError", "vertical_step"]
 HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 
+def _in_backward(model: nn.Module, asked: bool | None) -> bool:
+    """``step_in_backward`` as given, or its default: yes, except under DDP, whose gradient
+    hooks fire before it averages the gradients (True is refused there)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return True if asked is None else asked
+    if asked:
+        raise ValueError("step_in_backward=True with a DistributedDataParallel model would update layers "
+                         "from each rank's own gradients (DDP averages them at the end of backward): "
+                         "leave step_in_backward unset (False under DDP)")
+    return False
+
+
 class OffloadedAdamW(OffloadStateMixin, torch.optim.Optimizer):
     """AdamW whose moments live in per-layer files under ``path``; see the module docstring.
 
@@ -120,16 +134,7 @@ class OffloadedAdamW(OffloadStateMixin, torch.optim.Optimizer):
         super().__init__(param_groups if param_groups is not None else list(model.parameters()), defaults)
         if accumulation_steps < 1:
             raise ValueError("accumulation_steps must be >= 1")
-        from torch.nn.parallel import DistributedDataParallel
-
-        if isinstance(model, DistributedDataParallel):
-            if step_in_backward:
-                raise ValueError("step_in_backward=True with a DistributedDataParallel model would update layers "
-                                 "from each rank's own gradients (DDP averages them at the end of backward): "
-                                 "leave step_in_backward unset (False under DDP)")
-            step_in_backward = False
-        step_in_backward = True if step_in_backward is None else step_in_backward
-        self.model, self.overlap, self.in_backward = model, overlap, step_in_backward
+        self.model, self.overlap, self.in_backward = model, overlap, _in_backward(model, step_in_backward)
         #: called on the training thread before an iteration's first layer update is queued (the
         #: hotspare session waits there for the snapshot still reading the files and parameters)
         self.on_update_start: list[Any] = []

@@ -315,8 +315,10 @@ class SnapshotEngine:
             if src.is_meta:
                 comp, key = name.split("/", 1)
                 wanted.setdefault(comp, {})[key] = dst
-        for comp, dsts in wanted.items():
-            dict(self.providers)[comp].fill(dsts)
+        if wanted:
+            by_name = dict(self.providers)
+            for comp, dsts in wanted.items():
+                by_name[comp].fill(dsts)
 
     def _slot_for(self, k: int, header_len: int, data_len: int) -> tuple[Slot, bool]:
         """Slot ``k`` (and whether it was made anew: it could not hold this layout). A layout bigger
