@@ -23,6 +23,7 @@ import signal
 import subprocess
 import threading
 import time
+import traceback
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -39,7 +40,7 @@ from hotspare.orchestrator.store import (
     StoreError,
     World,
 )
-from hotspare.orchestrator.store.records import BadRecord
+from hotspare.orchestrator.store.records import AGENT_FAILED, BadRecord, Report, traceback_tail
 from hotspare.orchestrator.util import Waker
 
 from .job_follower import JobFollower
@@ -161,8 +162,12 @@ class Agent:
         if spec is None:
             log.error("job %s not found in etcd after %.0fs; giving up", self.job, self.wait_for_job)
             return 2  # what launchers have always seen for a job that never appeared
-        self._start(spec)
-        self._register()
+        try:
+            self._start(spec)
+            self._register()
+        except Exception as e:
+            self._report_startup_failure(e)
+            raise
         self._etcd_seen = time.monotonic()
         self.follow.start()
         for slot in range(self.slots):  # an active node's first workers take their seats at once
@@ -172,6 +177,19 @@ class Agent:
         finally:
             self.follow.stop()
             self._shutdown()
+
+    def _report_startup_failure(self, e: Exception) -> None:
+        """Tell the controller this node's agent could not start (a rank -1 report of kind
+        ``agent``, with the traceback): before the first world the job fails with it instead
+        of waiting for this node forever. Best effort: etcd may be what failed."""
+        what = f"{type(e).__name__}: {e}"
+        log.error("the agent could not start: %s", what)  # the traceback follows, from the CLI
+        rep = Report(node=self.node, rank=-1, epoch=0, kind=AGENT_FAILED, time=time.time(), message=what,
+                     traceback=traceback_tail(traceback.format_exc()))
+        try:
+            self.js.report(rep)
+        except StoreError as err:
+            log.error("could not report that to etcd either: %s", err)
 
     def stop(self) -> None:
         """Leave: :meth:`run` stops the workers, the services and the lease, then returns.

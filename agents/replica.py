@@ -176,7 +176,11 @@ class _Server(socketserver.ThreadingTCPServer):
 class ReplicaServer:
     def __init__(self, store: ReplicaStore, secret: bytes, host: str = "127.0.0.1") -> None:
         self.store = store
-        self._srv = _Server((host, 0), _Handler)
+        try:
+            self._srv = _Server((host, 0), _Handler)
+        except OSError as e:  # most often: --host names another machine's address
+            raise OSError(e.errno, f"the replica server cannot listen on {host} ({e.strerror}); --host "
+                                   "(or $HOTSPARE_HOST) must be an address of this machine") from e
         self._srv.secret = secret
         self._srv.answer = self.answer
         self._srv.owner = self

@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+import traceback
 
 from hotspare.recovery.persist import CheckpointError
 
@@ -77,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Commands that run unattended, their output a log: an unexpected error also prints its traceback.
+DAEMONS = frozenset({"agent", "controller"})
+
+
 def _error_line(e: BaseException) -> str:
     """What follows ``hotspare CMD: error: ``."""
     if isinstance(e, (CliError, LaunchError, CheckpointError)):  # LaunchError: a scheduler tool
@@ -119,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _reader_gone()
     except (CliError, StoreError, LaunchError, CheckpointError, subprocess.TimeoutExpired, OSError) as e:
+        if args.cmd in DAEMONS and not isinstance(e, CliError):  # its log is the evidence: where it failed
+            traceback.print_exc()
         print(f"hotspare {args.cmd}: error: {_error_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

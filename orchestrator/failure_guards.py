@@ -7,7 +7,9 @@ survives a controller failover), the spec and the losses at hand, and returns th
 :class:`Verdict` the job fails with, or None:
 
 * :func:`startup_error` -- a warm worker could not even load the job's code (its report
-  names rank -1): no node will do better, whatever ``on_code_error`` says;
+  names rank -1): no node will do better, whatever ``on_code_error`` says; or, before the
+  first world, a node's agent could not start (kind ``agent``): the job would wait for that
+  node forever;
 * :func:`code_error` -- the training function raised (loss kind ``error``): fail at once
   (``on_code_error: fail``, the default) or retry on a spare until ``code_error_retries``
   code errors were retried;
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from .spec import JobSpec
 from .store.job import JobSnapshot
-from .store.records import Failure, World, last_line
+from .store.records import AGENT_FAILED, Failure, World, last_line
 
 if TYPE_CHECKING:
     from .decide import Loss
@@ -45,7 +47,18 @@ class Verdict:
 
 
 def startup_error(obs: JobSnapshot) -> Verdict | None:
-    """A warm worker's report that the job's code cannot start (rank -1, kind ``error``)."""
+    """A warm worker's report that the job's code cannot start (rank -1, kind ``error``), or,
+    while the job waits for its first world, an agent's that it could not start (rank -1,
+    kind ``agent``): placement would wait for that node forever. Once the job runs, a node
+    whose agent fails is handled like a lost node (a spare that never came is no loss)."""
+    if obs.world is None:
+        agents = sorted((r for r in obs.reports if r.rank < 0 and r.kind == AGENT_FAILED),
+                        key=lambda r: (r.time, r.node))
+        if agents:
+            rep = agents[0]
+            return Verdict(f"the agent of node {rep.node} could not start: {rep.message}; the job cannot be "
+                           f"placed without it (its log: `hotspare logs {obs.job} --node {rep.node}`)",
+                           rep.traceback)
     reps = sorted((r for r in obs.reports if r.rank < 0 and r.kind == "error"), key=lambda r: (r.time, r.node))
     if not reps:
         return None

@@ -8,6 +8,7 @@ import json
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -16,7 +17,8 @@ from hotspare.recovery import persist
 from .. import embedded, entry_check, status, timeline
 from ..launchers import Launcher, LaunchError, load_record, record_endpoints, save_record
 from ..spec import JobSpec, SpecError, load_spec, parse_overrides
-from ..store import Conflict, EventKind, JobSnapshot, JobStore, StoreError, new_run_id
+from ..store import Conflict, EventKind, JobSnapshot, JobStore, Report, StoreError, new_run_id
+from ..store.records import AGENT_FAILED
 from ..util import Waker
 from .common import (
     CliError,
@@ -208,7 +210,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                 raise CliError(f"submitted {spec.name}, but `hotspare run` cannot watch it from here: "
                                f"{info.get('note') or 'its etcd is not reachable from this machine'}")
             js, eps = _wait_for_etcd(args, spec, out, args.timeout)
-        state = _watch(js, spec, out, timeout=args.timeout, embedded_dir=embedded_dir)
+        exited = getattr(launcher(spec.backend), "exited", None)  # a backend whose agents we started
+        state = _watch(js, spec, out, timeout=args.timeout, embedded_dir=embedded_dir,
+                       exited=(lambda: exited(info)) if exited else None)
     except KeyboardInterrupt:
         return _interrupted(js, spec, info, out, embedded_dir, args.json)
     _summary(js, spec, state, out, embedded_dir is not None, args.json)
@@ -329,10 +333,23 @@ LOG_EVERY = 5.0
 ALARM_EVERY = 30.0
 
 
+def _report_exited_agents(js: JobStore, snap: JobSnapshot, exited: dict[str, str]) -> None:
+    """Before the first world: report each agent this command started that exited without a
+    node record or a report of its own (it died before it reached etcd), so that the
+    controller fails the job with its last words instead of waiting for the node forever."""
+    for node, last in sorted(exited.items()):
+        if node in snap.nodes or any(r.node == node and r.rank < 0 for r in snap.reports):
+            continue
+        js.report(Report(node=node, rank=-1, epoch=0, kind=AGENT_FAILED, time=time.time(),
+                         message="its process exited before it registered"
+                         + (f"; its log ends: {last}" if last else "")))
+
+
 def _watch(js: JobStore, spec: JobSpec, out: TextIO, timeout: float | None,
-           embedded_dir: Path | None = None) -> str:
+           embedded_dir: Path | None = None, exited: Callable[[], dict[str, str]] | None = None) -> str:
     """Print the job's new events and a progress line until it ends; its final state.
-    Woken by watches on the job's keys and its events; otherwise it reads only to redraw."""
+    Woken by watches on the job's keys and its events; otherwise it reads only to redraw.
+    ``exited``: the agents this command started that have exited ({node: last log line})."""
     start, last_line, tty, shown, last_epoch, since = time.monotonic(), "", out.isatty(), 0, 0, 0
     alarm = ""  # etcd's alarm last said (a full etcd answers reads: the job would look stuck, silently)
     printed = start - LOG_EVERY
@@ -362,6 +379,8 @@ def _watch(js: JobStore, spec: JobSpec, out: TextIO, timeout: float | None,
                         print(("\r" if tty else "") + f"{ts} {ev.kind:<10} {ev.message}", file=out, flush=True)
                 if snap.state.terminal:
                     return snap.state.value
+                if exited is not None and snap.world is None:
+                    _report_exited_agents(js, snap, exited())
                 line, done = _progress_line(snap, spec.steps, shown)
                 stalled, shown = done == shown, done
                 # a job making progress has no alarm worth a request each round; a stalled one may

@@ -57,6 +57,9 @@ class Launcher(Protocol):
     def cancel(self, info: dict) -> str | None:
         """Release the scheduler's resources (after etcd was told to cancel); says what it did."""
 
+    # optional, for a backend whose agents are processes of this machine (local):
+    # exited(info) -> {node: the last line of its log} of the agents that have exited
+
 
 _REGISTRY: dict[str, str | Callable[[], Launcher]] = {
     "local": "hotspare.orchestrator.launchers.local:LocalLauncher",

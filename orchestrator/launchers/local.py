@@ -129,6 +129,23 @@ class LocalLauncher:
     def cancel(self, info: dict) -> str | None:
         return None  # agents stop on the etcd cancel key
 
+    def exited(self, info: dict) -> dict[str, str]:
+        """The nodes whose agent process has exited, each with the last line of its log
+        (what the agent said last: its error, if it failed)."""
+        log_dir = Path(info.get("log_dir", "."))
+        return {node: _last_line(log_dir / f"agent-{node}.log")
+                for node, pid in info.get("agents", {}).items() if not pid_alive(pid)}
+
+
+def _last_line(path: Path, most: int = 4096) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - most))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
 
 # -- the processes a local launch started, for `hotspare down` ----------------------------------
 def _records_dir(state_dir: Path) -> Path:

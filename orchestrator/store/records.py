@@ -349,6 +349,11 @@ class WorldChange:
                    shrunk_from=d.get("shrunk_from", 0), grown_from=d.get("grown_from", 0))
 
 
+#: The kind of a rank -1 :class:`Report` that a node's agent could not start (the agent wrote
+#: it, or, for a local agent that died before it reached etcd, `hotspare run` on its behalf).
+AGENT_FAILED = "agent"
+
+
 @dataclass(frozen=True)
 class Report(_Record):
     """An agent's fast report that a worker holding ``rank`` is gone.

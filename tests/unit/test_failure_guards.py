@@ -75,6 +75,27 @@ def test_a_startup_error_fails_a_running_job_and_names_every_node_it_hit():
     assert_failed(d, "cannot start on node node2 (nor on spare0): ValueError: boom")
 
 
+def test_an_agent_that_could_not_start_fails_the_job_while_it_waits_for_its_first_world():
+    snap = snapshot_pending()
+    del snap.nodes["node0"]  # its agent died before it registered
+    assert decide(snap).action is Action.WAIT  # without the report: waiting for the node, forever
+    snap.reports.append(Report(node="node0", rank=-1, epoch=0, kind="agent", time=1.0,
+                               message="FileNotFoundError: [Errno 2] No such file or directory", traceback=TB))
+    d = decide(snap)
+    assert_failed(d, "the agent of node node0 could not start: FileNotFoundError: [Errno 2] No such file",
+                  f"hotspare logs {snap.job} --node node0")
+    assert d.error == TB
+    assert d.clear_reports == (("node0", -1),)
+
+
+def test_once_the_job_runs_an_agent_that_could_not_start_does_not_fail_it():
+    snap = snapshot_running()  # a late spare's agent failed: the job goes on without that spare
+    snap.reports.append(Report(node="spare1", rank=-1, epoch=0, kind="agent", message="OSError: boom"))
+    d = decide(snap)
+    assert d.action is not Action.FAIL, str(d)
+    assert ("spare1", -1) in d.clear_reports, "a report that does not matter any more is cleared"
+
+
 def test_a_warm_worker_that_exits_otherwise_is_not_a_startup_error():
     snap = snapshot_running()
     snap.reports.append(Report(node="spare0", rank=-1, epoch=0, kind="exit"))
