@@ -9,6 +9,7 @@ main loop publishes a :class:`~hotspare.agents.node_view.NodeView` and they read
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 import tempfile
@@ -19,12 +20,15 @@ from pathlib import Path
 
 from hotspare.orchestrator.spec import JobSpec
 from hotspare.orchestrator.store import Node, World
-from hotspare.orchestrator.util import pid_alive
+from hotspare.orchestrator.util import atomic_write, pid_alive
 from hotspare.recovery.bell import AGENT_BELL, Bell, Ringer
+from hotspare.recovery.slotfile import SlotDir
 
 from .node_view import Buddy, NodeView
 from .persist import Persister
 from .replica import ReplicaServer, ReplicaStore, Replicator
+
+log = logging.getLogger("hotspare.agent")
 
 
 def shm_base() -> Path:
@@ -158,6 +162,11 @@ class NodeServices:
         """Called by the agent's main loop only: one attribute swap, atomic under the GIL.
         A changed view (new seats, buddies, a requested checkpoint) kicks the services."""
         changed = view != self._view
+        if view.checkpoint != self._view.checkpoint and view.checkpoint is not None:
+            try:  # for the ranks' vote on which candidate steps become points (recovery.session)
+                atomic_write(SlotDir(self.run_dir).checkpoint_request, str(view.checkpoint), fsync=False)
+            except OSError as e:
+                log.warning("could not pass the checkpoint request on to the workers: %s", e)
         self._view = view
         if changed:
             self.replicator.kick()

@@ -26,6 +26,7 @@ enforced.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -48,6 +49,7 @@ from common import (
 )
 
 from hotspare.orchestrator.etcd_server import LONG_LIVED_HEARTBEAT_MS
+from hotspare.orchestrator.spec import parse_spec
 
 TICK = os.sysconf("SC_CLK_TCK")
 AIMS = {"agent": 0.005, "controller": 0.005, "etcd": 0.01, "warm spare": 0.001}
@@ -175,7 +177,18 @@ def spec_for(a, out_dir: Path) -> dict[str, Any]:
     spec.update(name="sidecar", ranks=a.ranks, steps=1_000_000, output_dir=str(out_dir))
     if a.replicate_every:
         spec["replicate_every"] = a.replicate_every
+    if a.replicate_interval is not None:
+        spec["replicate_interval"] = a.replicate_interval
     return spec
+
+
+def points_per_s(steps_per_s: float, every: int, interval: float) -> float:
+    """Replication points a second the schedule makes at this step rate: a candidate every
+    ``every`` steps, and of those the first ``interval`` seconds or more after the last point."""
+    if steps_per_s <= 0:
+        return 0.0
+    candidate_s = every / steps_per_s
+    return 1.0 / (max(1, math.ceil(interval / candidate_s - 1e-9)) * candidate_s)
 
 
 def run(a) -> tuple[dict[str, Any], list[str]]:
@@ -224,10 +237,12 @@ def run(a) -> tuple[dict[str, Any], list[str]]:
     median = {r: statistics.median(w.get(r, 0.0) for w in windows) for r in roles_}
     methods = sorted({m for r in requests for m in r})
     per_s = {m: statistics.median(r.get(m, 0.0) for r in requests) for m in methods}
-    every = a.replicate_every or 10
+    job_spec = parse_spec(spec)
+    every, interval = job_spec.replicate_every, job_spec.replicate_interval
     rate = steps / elapsed if elapsed else 0.0  # about: the steps are read from progress records
     return {"windows": windows, "median_cores": median, "steps_in_measurement": steps,
-            "steps_per_s": rate, "replicate_every": every, "points_per_s": rate / every,
+            "steps_per_s": rate, "replicate_every": every, "replicate_interval": interval,
+            "points_per_s": points_per_s(rate, every, interval),
             "window_s": a.window, "etcd_requests_per_s": per_s}, problems
 
 
@@ -250,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicate-every", type=int, default=0,
                    help="the spec's replicate_every (0: demo.yaml's, the default 10 steps); an active agent's "
                    "CPU is mostly the replication of points, so it scales with points per second")
+    p.add_argument("--replicate-interval", type=float, default=None,
+                   help="the spec's replicate_interval in seconds (default: demo.yaml's, the default 5 s; "
+                   "0: every candidate step is a point)")
     a = parse_args_smoke(p, argv, {"ranks": 2, "window": 3.0, "warmup": 3})
     result, problems = run(a)
     rows = [(role, f"{cores:.4f}") for role, cores in sorted(result["median_cores"].items())]
@@ -260,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(["etcd request", "per second"], [(m, f"{v:.2f}") for m, v in result["etcd_requests_per_s"].items()]))
     sidecar = sum(c for r, c in result["median_cores"].items() if not r.startswith("training"))
     print(f"hotspare's processes together: {sidecar:.4f} cores; each rank about {result.get('steps_per_s', 0):.1f} "
-          f"steps/s, {result.get('points_per_s', 0):.2f} replication points/s (replicate_every {result.get('replicate_every')})")
+          f"steps/s, {result.get('points_per_s', 0):.2f} replication points/s (replicate_every {result.get('replicate_every')}, "
+          f"replicate_interval {result.get('replicate_interval')} s)")
     write_json(a.json, {"benchmark": "sidecar_cpu", "smoke": a.smoke, "machine": machine_info(),
                         "args": {k: v for k, v in vars(a).items() if not k.startswith("_")},
                         "result": result, "sidecar_cores": sidecar,

@@ -326,6 +326,8 @@ def _parse_state_tiers(data: Mapping[str, Any], base_dir: str) -> dict[str, Any]
                          default=_DEFAULTS["replicas"])
     replicate_every = parse_int("replicate_every", _opt(data, "replicate_every"), minimum=1,
                                 default=_DEFAULTS["replicate_every"])
+    replicate_interval = parse_seconds("replicate_interval", _opt(data, "replicate_interval"), minimum=0.0,
+                                       default=_DEFAULTS["replicate_interval"])
     persist_every = parse_int("persist_every", _opt(data, "persist_every"), minimum=0,
                               default=_DEFAULTS["persist_every"])
     if persist_every and persist_every % replicate_every:
@@ -337,6 +339,7 @@ def _parse_state_tiers(data: Mapping[str, Any], base_dir: str) -> dict[str, Any]
     return {
         "replicas": replicas,
         "replicate_every": replicate_every,
+        "replicate_interval": replicate_interval,
         "persist_every": persist_every,
         "persist_path": parse_persist_path(_opt(data, "persist_path"), base_dir),
         "persist_local_dir": parse_output_dir(_opt(data, "persist_local_dir"), base_dir,

@@ -159,6 +159,7 @@ class Session:
         self._replicas = PeerReplicas(self.js, self.sid, self.snapshots, replicas=spec.replicas)
         self._dirty = False  # an optimizer stepped since the last snapshot
         self.last_restore: dict = {}
+        self._last_point = time.monotonic()  # when the newest replication point was taken
 
     # -- public API -----------------------------------------------------------------------
     def track(self, **components: object) -> None:
@@ -278,11 +279,12 @@ class Session:
                 slow = self.chaos.slow or self._delay()
                 if slow:
                     time.sleep(slow)
+                point = self._agree_point(step) if self._pg.healthy else False
                 if not self._pg.healthy:
                     log.warning("step %d failed (%s); rolling back", step, self._pg.error)
                     step = self._join()
                     continue
-                self._commit(step, time.perf_counter() - t0, self._pg.comm_seconds - comm0)
+                self._commit(step, time.perf_counter() - t0, self._pg.comm_seconds - comm0, point)
                 step += 1
             self._finish(total)
         finally:
@@ -291,14 +293,40 @@ class Session:
             self.snapshots.close()
 
     # -- internals ------------------------------------------------------------------------
-    def _commit(self, step: int, seconds: float, comm_seconds: float) -> None:
-        """``step`` completed with every collective in it: snapshot it, beat, and tell the
-        timeline if it is the first step after a recovery."""
+    def _agree_point(self, step: int) -> bool:
+        """Whether ``step`` becomes a replication point, the same answer on every rank. Only a
+        candidate can (every ``replicate_every``-th step); with ``replicate_interval`` set,
+        the ranks vote at each candidate -- one tiny allreduce (MAX) -- and it is a point
+        when any rank wants it: ``replicate_interval`` seconds passed since the last point,
+        it is a ``persist_every`` step, or this rank's agent passed on a ``hotspare
+        checkpoint`` request for it. The interval is each rank's own clock; the vote is
+        what makes the answer common."""
+        if not self.snapshots.is_point(step):
+            return False
+        spec = self.spec
+        if spec.replicate_interval <= 0:
+            return True
+        want = (time.monotonic() - self._last_point >= spec.replicate_interval
+                or (spec.persist_every > 0 and step % spec.persist_every == 0)
+                or self.snapshots.requested_point() == step)
+        if self.world_size > 1:
+            vote = torch.tensor([int(want)], dtype=torch.int32)
+            if not self._pg.allreduce_(vote, dist.ReduceOp.MAX, stage=False):
+                return False  # the step failed: the caller rolls back
+            want = bool(vote.item())
+        return want
+
+    def _commit(self, step: int, seconds: float, comm_seconds: float, point: bool = True) -> None:
+        """``step`` completed with every collective in it: snapshot it (to a point slot if the
+        ranks agreed on one), beat, and tell the timeline if it is the first step after a
+        recovery."""
         self.step_time = seconds
         compute = seconds - comm_seconds
         self.compute_time = compute if self.compute_time == 0 else 0.8 * self.compute_time + 0.2 * compute
         self.committed = step
-        self.snapshots.capture(step)
+        self.snapshots.capture(step, point=point)
+        if point:
+            self._last_point = time.monotonic()
         self._dirty = False
         self._beat(step)
         if self._resumed_pending:
@@ -402,6 +430,7 @@ class Session:
             if restored.clean:
                 self._dirty = False
             self.committed = restored.step
+            self._last_point = time.monotonic()  # every rank restored one step: the interval starts anew
             self._beat()  # the heartbeat names the restored step: a failure is reported at the step it hit
             self._resumed_pending = epoch > 1
             self.last_restore = restored.info()

@@ -61,6 +61,7 @@ class SlotDir:
     * ``rank<sid>.point<k>``  replication point slot k
     * ``rank<sid>.replicated`` the agent's confirmation of one point write, ``"<step> <seq>"``
     * ``<heartbeat>.fatal``   why a worker cannot go on (:func:`hotspare.agents.worker_link.fatal_path`)
+    * ``checkpoint.request``  the step ``hotspare checkpoint`` asked for, as the agent last saw it
 
     (The ``rank`` spelling predates sids and stays: the files are read across versions.)"""
 
@@ -80,6 +81,10 @@ class SlotDir:
 
     def confirmation(self, sid: int) -> Path:
         return self.root / f"rank{sid}.replicated"
+
+    @property
+    def checkpoint_request(self) -> Path:
+        return self.root / "checkpoint.request"
 
     def files(self, sid: int) -> list[Path]:
         """Every slot file of ``sid`` (ring and point), sorted by name."""

@@ -149,7 +149,20 @@ class SnapshotEngine:
         return self.files.point(self.sid, k - self.nring)
 
     def is_point(self, step: int) -> bool:
+        """Whether ``step`` is a point *candidate*: the initial state, or a multiple of
+        ``replicate_every``. Which candidates become points the ranks agree on
+        (``capture(point=...)``: the session's vote, paced by ``replicate_interval``); a
+        state restored at a candidate step is kept as a point (every rank restores the
+        same step, so they agree on that too)."""
         return bool(self.every) and (step == -1 or step % self.every == 0)
+
+    def requested_point(self) -> int | None:
+        """The step ``hotspare checkpoint`` asked to be persisted, as this node's agent last
+        wrote it into the snapshot directory (None: no request)."""
+        try:
+            return int(self.files.checkpoint_request.read_text())
+        except (OSError, ValueError):
+            return None
 
     def confirmed(self) -> tuple[int, int]:
         """(step, seq) of the newest point the agent confirmed replicated to every buddy
@@ -185,11 +198,12 @@ class SnapshotEngine:
             self.replication_wait_s += time.monotonic() - t0
 
     # -- capture --------------------------------------------------------------------------
-    def capture(self, step: int, timeline: int | None = None) -> None:
+    def capture(self, step: int, timeline: int | None = None, point: bool | None = None) -> None:
         """Snapshot the providers as of the end of ``step``.
 
         ``timeline`` overrides the lineage's for a state restored from elsewhere (a replica,
-        a peer): it keeps the timeline of the state it copies.
+        a peer): it keeps the timeline of the state it copies. ``point``: whether the step
+        goes to a point slot (the ranks' agreement on a candidate); None: every candidate.
 
         On the training thread only the small, step-mutable state is taken (RNG, data
         position, buffers, JSON; cloned) and references to the parameters and optimizer
@@ -226,7 +240,8 @@ class SnapshotEngine:
             self._ready = torch.cuda.Event()
             self._ready.record(torch.cuda.current_stream())
         self._idle.clear()
-        self._jobs.put((step, sync, lazy, meta, lineage))
+        point = self.is_point(step) if point is None else point and self.is_point(step)
+        self._jobs.put((step, sync, lazy, meta, lineage, point))
         self.last_capture_s = time.perf_counter() - t0
 
     def _run(self) -> None:
@@ -252,7 +267,7 @@ class SnapshotEngine:
 
     @torch.no_grad()
     def _write(self, step: int, sync: dict[str, torch.Tensor], lazy: dict[str, torch.Tensor],
-               meta: dict[str, Any], lineage: dict[str, int] | None = None) -> None:
+               meta: dict[str, Any], lineage: dict[str, int] | None = None, point: bool = False) -> None:
         if self.test_delay:
             time.sleep(self.test_delay)
         for name, p in self.providers:
@@ -264,7 +279,6 @@ class SnapshotEngine:
         head = json.dumps({"rank": self.sid, "step": step, "time": time.time(), "data_len": data_len,
                            **(lineage or {}), "meta": meta}, separators=(",", ":"))
         hb = (head[:-1] + ',"tensors":' + table + "}").encode()
-        point = self.is_point(step)
         if point and not self._await_replication():
             log.warning("point %d of rank %d dropped: a new epoch began while point %d waited for "
                         "its replication", step, self.sid, self._last_point[0] if self._last_point else -2)

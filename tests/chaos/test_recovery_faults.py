@@ -76,9 +76,10 @@ def test_the_replica_holder_lost_while_the_spare_fetches_from_it_ends_bit_identi
     # rank 1's worker dies at step 24: its node's agent still serves the dead worker's ring
     # slots, so the spare is to fetch step 23 (or 22) from node1 -- which is killed as the
     # fetch begins. The spare withdraws that step and all members agree on a replication point
-    # (step 20, or 10 if 20 was not replicated yet) that node2 holds a replica of.
+    # (step 20, or 10 if 20 was not replicated yet) that node2 holds a replica of. (Every
+    # candidate is a point here, replicate_interval 0: the steps are known in advance.)
     cluster.controller()
-    run_ok(cluster, "fetch", chaos=[
+    run_ok(cluster, "fetch", replicate_interval=0, chaos=[
         {"at_step": 24, "action": "kill-rank", "rank": 1},
         {"at_step": 24, "action": "kill-node", "node": "node1", "during": "fetch"}])
     assert_identical(reference, cluster.tmp / "out" / "fetch")

@@ -79,6 +79,21 @@ def test_node_loss_ends_bit_identical_from_the_buddy_replica(cluster, reference)
     assert r0.data["source"] == "replica on node1"  # node0's ring buddy; node0 itself is gone
 
 
+def test_only_the_candidates_the_ranks_agree_on_become_points(cluster, reference):
+    """With a replicate_interval no run reaches, the ranks' vote makes a point of the
+    persist_every steps only (and the initial state): a node lost at step 45 rolls every
+    rank back to step 40, the newest such point -- not 44, the newest candidate -- and the
+    result is still bit-identical."""
+    cluster.controller()
+    run_ok(cluster, "agreed", replicate_every=2, replicate_interval=1000, persist_every=20,
+           chaos=[{"at_step": 45, "action": "kill-node", "rank": 0}])
+    assert_identical(reference, cluster.tmp / "out" / "agreed")
+    restored = [e for e in cluster.job("agreed").events() if e.kind == "restored" and e.data["epoch"] == 2]
+    assert {e.data["restore_step"] for e in restored} == {40}, [e.data for e in restored]
+    [r0] = [e for e in restored if e.data["rank"] == 0]
+    assert r0.data["source"] == "replica on node1"
+
+
 def test_kill_while_a_snapshot_copy_is_in_flight_ends_bit_identical(cluster, reference):
     cluster.controller()
     # every background copy takes >= 0.2 s, so the kill at the start of step 30 lands

@@ -86,9 +86,12 @@ def test_with_no_usable_copy_of_a_lost_rank_left_the_job_fails_saying_why(cluste
 def test_hotspare_checkpoint_persists_an_upcoming_point_of_a_running_job(cluster):
     """No scheduled persisting (persist_every 0): `hotspare checkpoint` picks a replication
     point ahead of every rank (progress is published only every few seconds, the job runs
-    ~50 steps a second) and returns once that checkpoint is complete."""
+    ~50 steps a second) and returns once that checkpoint is complete. With a replicate_interval
+    no run reaches, only the request (each agent passes it on to its workers, whose vote makes
+    that candidate a point) can make the step a point."""
     cluster.controller()
-    cluster.hotspare("submit", str(gpt_spec(cluster, "ondemand", steps=1_000_000, spares=0)), check=True)
+    cluster.hotspare("submit", str(gpt_spec(cluster, "ondemand", steps=1_000_000, spares=0, replicate_interval=1000)),
+                     check=True)
     js = cluster.job("ondemand")
     cluster.wait(lambda: len(js.snapshot().progress) == 3, what="every rank training")
     root = js.snapshot().spec.persist_root  # this run's directory: <output_dir>/checkpoints/<run id>

@@ -111,7 +111,7 @@ def test_removed_ray_node_is_replaced_by_the_spare_and_the_job_ends_bit_identica
     js = cluster.job(JOB)
     cluster.wait(lambda: len(js.snapshot().progress) == 3
                  and min(p.step for p in js.snapshot().progress.values()) >= 12,
-                 timeout=180, what="every rank past step 12 (a replicated point at 10)")
+                 timeout=180, what="every rank past step 12")
 
     # `hotspare status` without $HOTSPARE_ETCD finds the job through its launch record and
     # asks Ray about the actors

@@ -105,7 +105,7 @@ def test_node_loss_on_slurm_spare_takes_over_bit_identical(slurm, slurm_job, ref
     assert f"Slurm job {job_id}" in r.stdout and Path(rec["info"]["script"]).exists()
 
     js = slurm_job.jobstore("slurmloss")
-    # lose the node of rank 1 once training is past the first replicated point (step 10)
+    # lose the node of rank 1 once training is well under way (step 15)
     def past_step_15() -> bool:
         snap = js.snapshot()
         assert not snap.state.terminal, f"the job ended ({snap.state.value}) before a node could be lost"

@@ -361,6 +361,8 @@ FIELD_ERRORS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
         ("min_ranks: must be <= ranks (4), got 5", "lower min_ranks or raise ranks"),
     ),
     "replicas_negative": ({"replicas": -1}, ("replicas: must be >= 0, got -1",)),
+    "replicate_interval_negative": ({"replicate_interval": -1}, ("replicate_interval: must be >= 0 seconds, got -1",)),
+    "replicate_interval_text": ({"replicate_interval": "2s"}, ("replicate_interval: must be a number of seconds, got '2s'",)),
     "lease_ttl_too_small": ({"lease_ttl": 0.5}, ("lease_ttl: must be >= 1 seconds, got 0.5",)),
     "lease_ttl_string": (
         {"lease_ttl": "fast"},
