@@ -15,8 +15,13 @@ $(VENV)/.installed: pyproject.toml scripts/setup.sh
 demo: setup
 	$(VENV)/bin/hotspare run configs/demo.yaml
 
+# Two test processes (pytest-xdist): the multi-process tests spend most of their time
+# waiting (leases, sleeps, timeouts) -- one at a time keeps a 2-core machine ~30 % busy.
+# A module whose tests share a cluster is one xdist_group. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 tests
 
 lint: setup
 	$(VENV)/bin/ruff check orchestrator agents recovery tests benchmarks examples

@@ -149,6 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fail-step", type=int, default=150, help="the failed rank dies at the start of this step")
     p.add_argument("--fail-rank", type=int, default=1, help="the rank that dies")
     p.add_argument("--K", type=int, default=20, help="torchrun: checkpoint every K steps")
+    p.add_argument("--replicate-interval", type=float, default=None,
+                   help="hotspare: the spec's replicate_interval in seconds (default: the spec's default, 0)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (models a bigger model)")
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts for the checkpointed runs")
     p.add_argument("--n-layer", type=int, default=2, help="gpt.build n_layer")
@@ -193,7 +195,10 @@ def hotspare_spec(a: argparse.Namespace, name: str, fail: bool) -> dict[str, Any
         entry = f"{HERE}:hotspare_train"
         args["step_sleep"] = a.step_sleep
     chaos = [{"at_step": a.fail_step, "action": "kill-rank", "rank": a.fail_rank}] if fail else None
-    return gpt_job_spec(a, name, args, entrypoint=entry, chaos=chaos)
+    spec = gpt_job_spec(a, name, args, entrypoint=entry, chaos=chaos)
+    if a.replicate_interval is not None:
+        spec["replicate_interval"] = a.replicate_interval
+    return spec
 
 
 def run_hotspare(cluster: LostTimeCluster, a: argparse.Namespace, name: str, fail: bool) -> dict[str, Any]:

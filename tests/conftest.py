@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,6 +64,17 @@ def etcd(tmp_path):
     yield srv
     srv.resume() if srv.proc and srv.proc.poll() is None else None
     srv.stop()
+
+
+def remove_dead_run_dirs(job: str, node: str = "") -> None:
+    """Remove the /dev/shm run directories of ``job`` (of its ``node``) that no live agent
+    owns: those of agents a test killed. Never another test's: tests run in parallel
+    (pytest-xdist), and a job name may be in use by two of them."""
+    from hotspare.agents.node_services import _owner_gone
+
+    for d in Path("/dev/shm").glob(f"hotspare-{job}-{node + '-' if node else ''}*"):
+        if d.is_dir() and not d.is_symlink() and _owner_gone(d):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def wait_until(pred, what: str = "condition", timeout: float = 120) -> None:

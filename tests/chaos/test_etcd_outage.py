@@ -52,7 +52,7 @@ def test_training_survives_a_10s_etcd_outage_with_failures_during_and_after(tmp_
         spec = tmp_path / "outage.yaml"
         spec.write_text(json.dumps({
             "name": "outage", "entrypoint": str(EXAMPLES / "allreduce.py") + ":train",
-            "ranks": 3, "spares": 2, "steps": 1300, "lease_ttl": 3, "hang_timeout": 60,
+            "ranks": 3, "spares": 2, "steps": 700, "lease_ttl": 3, "hang_timeout": 60,
             "output_dir": str(tmp_path / "out"), "args": {"step_sleep": 0.02},
         }))
         cli("submit", str(spec))

@@ -22,7 +22,8 @@ from hotspare.recovery import load_final
 from ..conftest import EXAMPLES, Cluster, start_etcd
 from .test_exact_recovery import assert_identical
 
-pytestmark = pytest.mark.timeout(400)
+# one worker runs this module (pytest-xdist --dist loadgroup): its module-scoped fixture is made once
+pytestmark = [pytest.mark.xdist_group("frameworks"), pytest.mark.timeout(400)]
 
 STEPS = 24
 UNSEEDED = {"rng/numpy", "rng/python"}  # the examples never seed them (see the module docstring)

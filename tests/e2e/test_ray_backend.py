@@ -28,10 +28,11 @@ from hotspare.orchestrator import timeline
 from hotspare.orchestrator.launchers import LaunchError, load_record
 from hotspare.orchestrator.launchers.ray import RayLauncher, check_etcd_reachable, pick_nodes
 
-from ..conftest import EXAMPLES
+from ..conftest import EXAMPLES, remove_dead_run_dirs
 from .test_exact_recovery import assert_identical, gpt_spec
 
-pytestmark = pytest.mark.timeout(400)
+# one worker runs this module (pytest-xdist --dist loadgroup): one such cluster at a time on this host
+pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(400)]
 
 JOB = "rayjob"
 RESOURCE = "hotspare"  # every Ray node offers one: the agents ask for it
@@ -157,8 +158,7 @@ def test_removed_ray_node_is_replaced_by_the_spare_and_the_job_ends_bit_identica
         time.sleep(0.2)
     assert not leftovers(), "processes outlived the job and the Ray cluster"
     # the lost node's agent could not clean its shared memory (the next agent there would sweep it)
-    for d in Path("/dev/shm").glob(f"hotspare-{JOB}-{victim}-*"):
-        shutil.rmtree(d, ignore_errors=True)
+    remove_dead_run_dirs(JOB, victim)
 
 
 # -- placement and refusals, without a Ray cluster ---------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from hotspare.orchestrator.store import JobStore
 from hotspare.orchestrator.util import pid_alive
 from hotspare.recovery import load_final, persist
 
-from ..conftest import EXAMPLES, wait_until, write_spec
+from ..conftest import EXAMPLES, remove_dead_run_dirs, wait_until, write_spec
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -133,8 +132,7 @@ def _kill_everything(tmp: Path, out: Path, job: str) -> list[int]:
     for pid in (c.controller_pid, c.etcd_pid):
         os.kill(pid, signal.SIGKILL)
     wait_until(lambda: not [p for p in pids if pid_alive(p)], "every killed process to be gone", timeout=30)
-    for d in Path("/dev/shm").glob(f"hotspare-{job}-*"):
-        shutil.rmtree(d, ignore_errors=True)
+    remove_dead_run_dirs(job)
     return pids
 
 

@@ -26,6 +26,9 @@ from ..conftest import wait_until, write_spec
 from ..slurm_cluster import SlurmCluster
 from .test_exact_recovery import assert_identical, gpt_spec
 
+# one worker runs this module (pytest-xdist --dist loadgroup): one such cluster at a time on this host
+pytestmark = pytest.mark.xdist_group("slurm")
+
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):

@@ -20,7 +20,8 @@ from hotspare.orchestrator.store import JobStore, Store, StoreError, wait_until
 
 from ..conftest import Cluster, write_spec
 
-pytestmark = pytest.mark.timeout(240)
+# one worker runs this module (pytest-xdist --dist loadgroup): its module-scoped fixture is made once
+pytestmark = [pytest.mark.xdist_group("etcd_tls_auth"), pytest.mark.timeout(240)]
 
 
 # -- a throw-away PKI -----------------------------------------------------------------------

@@ -28,7 +28,8 @@ from hotspare.orchestrator.store import JobStore, Store
 
 from ..conftest import wait_until, write_spec
 
-pytestmark = [pytest.mark.timeout(180),
+# one worker runs this module (pytest-xdist --dist loadgroup): its module-scoped fixture is made once
+pytestmark = [pytest.mark.xdist_group("zygote"), pytest.mark.timeout(180),
               pytest.mark.skipif(not pidfd_supported(), reason="the zygote needs pidfd_open (Linux >= 5.3)")]
 WORKER = "hotspare.agents.worker:main"
 

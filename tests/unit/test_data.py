@@ -20,6 +20,9 @@ from hotspare.recovery.state import provider_for
 
 from .test_sampler import assert_exactly_once_per_epoch
 
+# one worker runs this module (pytest-xdist --dist loadgroup): its module-scoped fixture is made once
+pytestmark = pytest.mark.xdist_group("data")
+
 N = 30
 
 
