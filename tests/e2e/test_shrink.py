@@ -58,6 +58,12 @@ def test_shrink_then_grow_back_reads_every_sample_exactly_once(cluster):
     # hold the job back (rank 0 sleeps 1 s after each step) until the late spare's worker,
     # which imports torch first, is warm and the world has grown
     js.send_chaos("node0", {"action": "slow-rank", "rank": 0, "seconds": 1.0})
+    # both ranks of the shrunk world must commit a step before the grow (on a loaded machine
+    # its rebuild could otherwise outlast the late spare's start, and the grow would roll the
+    # uncommitted step back: no step at size 2 to check)
+    [shrunk] = [e.data["epoch"] for e in js.events() if e.kind == "shrink"]
+    cluster.wait(lambda: len({e.source for e in js.events() if e.kind == "resumed" and e.data.get("epoch") == shrunk}) == 2
+                 or js.snapshot().state.terminal, what="a step of the shrunk world on both ranks")
     cluster.agent("elastic", "late0", spare=True)
     cluster.wait(lambda: decided("grow") or js.snapshot().state.terminal, what="the grow")
     js.send_chaos("node0", {"action": "slow-rank", "rank": 0, "seconds": 0})
