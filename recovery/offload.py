@@ -161,8 +161,7 @@ class OffloadedAdamW(OffloadStateMixin, torch.optim.Optimizer):
                              f"{big.total} (2x for overlap) or split the layer (layers=...)")
         self.nslots = budget // self.slot_bytes if self.slot_bytes else 0
         self.ram_budget_bytes = budget
-        self._free: list[Buffer] = []
-        self._made = 0
+        self._free, self._made = [], 0  # layer buffers made and free
         self._cv = threading.Condition()
         self._error: OffloadError | None = None
         self._it = 0  # the open iteration: number of step() calls so far
@@ -176,7 +175,7 @@ class OffloadedAdamW(OffloadStateMixin, torch.optim.Optimizer):
         self.wait_s = self.compute_s = 0.0
         self._stop = self._paused = False
         self._handles: list[Any] = []
-        if step_in_backward:
+        if self.in_backward:  # the resolved default, not the argument (None: yes, except under DDP)
             for L in self.layers:
                 for i, p in enumerate(L.params):
                     self._handles.append(p.register_post_accumulate_grad_hook(

@@ -333,11 +333,13 @@ LOG_EVERY = 5.0
 ALARM_EVERY = 30.0
 
 
-def _report_exited_agents(js: JobStore, snap: JobSnapshot, exited: dict[str, str]) -> None:
+def _report_exited_agents(js: JobStore, snap: JobSnapshot, exited: Callable[[], dict[str, str]] | None) -> None:
     """Before the first world: report each agent this command started that exited without a
     node record or a report of its own (it died before it reached etcd), so that the
     controller fails the job with its last words instead of waiting for the node forever."""
-    for node, last in sorted(exited.items()):
+    if exited is None or snap.world is not None:
+        return
+    for node, last in sorted(exited().items()):
         if node in snap.nodes or any(r.node == node and r.rank < 0 for r in snap.reports):
             continue
         js.report(Report(node=node, rank=-1, epoch=0, kind=AGENT_FAILED, time=time.time(),
@@ -347,9 +349,8 @@ def _report_exited_agents(js: JobStore, snap: JobSnapshot, exited: dict[str, str
 
 def _watch(js: JobStore, spec: JobSpec, out: TextIO, timeout: float | None,
            embedded_dir: Path | None = None, exited: Callable[[], dict[str, str]] | None = None) -> str:
-    """Print the job's new events and a progress line until it ends; its final state.
-    Woken by watches on the job's keys and its events; otherwise it reads only to redraw.
-    ``exited``: the agents this command started that have exited ({node: last log line})."""
+    """Print the job's new events and a progress line until it ends; its final state. Woken by
+    watches on the job's keys and events. ``exited``: {node: last log line} of our dead agents."""
     start, last_line, tty, shown, last_epoch, since = time.monotonic(), "", out.isatty(), 0, 0, 0
     alarm = ""  # etcd's alarm last said (a full etcd answers reads: the job would look stuck, silently)
     printed = start - LOG_EVERY
@@ -379,8 +380,7 @@ def _watch(js: JobStore, spec: JobSpec, out: TextIO, timeout: float | None,
                         print(("\r" if tty else "") + f"{ts} {ev.kind:<10} {ev.message}", file=out, flush=True)
                 if snap.state.terminal:
                     return snap.state.value
-                if exited is not None and snap.world is None:
-                    _report_exited_agents(js, snap, exited())
+                _report_exited_agents(js, snap, exited)
                 line, done = _progress_line(snap, spec.steps, shown)
                 stalled, shown = done == shown, done
                 # a job making progress has no alarm worth a request each round; a stalled one may

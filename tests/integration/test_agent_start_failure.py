@@ -71,10 +71,10 @@ def test_a_local_agent_that_died_before_reaching_etcd_is_reported_by_hotspare_ru
     js.submit(spec, os.urandom(16))
     snap = js.snapshot()
     assert decide(snap).action is Action.WAIT
-    _report_exited_agents(js, snap, {"node1": "hotspare agent: error: No such file or directory", "spare0": ""})
+    _report_exited_agents(js, snap, lambda: {"node1": "hotspare agent: error: No such file or directory", "spare0": ""})
     snap = js.snapshot()
     assert sorted((r.node, r.rank, r.kind) for r in snap.reports) == [("node1", -1, "agent"), ("spare0", -1, "agent")]
-    _report_exited_agents(js, snap, {"node1": "a second look"})  # reported already: not again
+    _report_exited_agents(js, snap, lambda: {"node1": "a second look"})  # reported already: not again
     snap = js.snapshot()
     assert [r.message for r in snap.reports if r.node == "node1"] == [
         "its process exited before it registered; its log ends: hotspare agent: error: No such file or directory"]
