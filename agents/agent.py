@@ -183,7 +183,9 @@ class Agent:
         ``agent``, with the traceback): before the first world the job fails with it instead
         of waiting for this node forever. Best effort: etcd may be what failed."""
         what = f"{type(e).__name__}: {e}"
-        log.error("the agent could not start: %s", what)  # the traceback follows, from the CLI
+        # the traceback in the log before the report: once the job fails on it, its log is read
+        log.exception("the agent could not start: %s", what)
+        e.hotspare_logged = True  # type: ignore[attr-defined] - the CLI does not print it again
         rep = Report(node=self.node, rank=-1, epoch=0, kind=AGENT_FAILED, time=time.time(), message=what,
                      traceback=traceback_tail(traceback.format_exc()))
         try:

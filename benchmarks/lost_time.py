@@ -150,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fail-rank", type=int, default=1, help="the rank that dies")
     p.add_argument("--K", type=int, default=20, help="torchrun: checkpoint every K steps")
     p.add_argument("--replicate-interval", type=float, default=None,
-                   help="hotspare: the spec's replicate_interval in seconds (default: the spec's default, 0)")
+                   help="hotspare: the spec's replicate_interval in seconds (default: the spec's default, 5)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (models a bigger model)")
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts for the checkpointed runs")
     p.add_argument("--n-layer", type=int, default=2, help="gpt.build n_layer")

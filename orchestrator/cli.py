@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _reader_gone()
     except (CliError, StoreError, LaunchError, CheckpointError, subprocess.TimeoutExpired, OSError) as e:
-        if args.cmd in DAEMONS and not isinstance(e, CliError):  # its log is the evidence: where it failed
-            traceback.print_exc()
+        if args.cmd in DAEMONS and not isinstance(e, CliError) and not getattr(e, "hotspare_logged", False):
+            traceback.print_exc()  # its log is the evidence: where it failed
         print(f"hotspare {args.cmd}: error: {_error_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

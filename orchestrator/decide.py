@@ -274,8 +274,9 @@ def _fail_fatal(losses: list[Loss], handled: ReportRefs) -> Decision:
 
 
 def _swap(
-    obs: JobSnapshot, world: World, losses: list[Loss], chosen: list[str], handled: ReportRefs
+    obs: JobSnapshot, world: World, losses: list[Loss], chosen: list[str], handled: ReportRefs, why: str = ""
 ) -> Decision:
+    """Each lost rank to its chosen node (``why``: said when that is the node it failed on)."""
     seats = list(world.seats)
     for lo, name in zip(losses, chosen, strict=True):
         seats[lo.rank] = Seat(name, obs.nodes[name].incarnation, world.epoch + 1,
@@ -284,7 +285,8 @@ def _swap(
     moves = ", ".join(f"rank {lo.rank} -> {n}" for lo, n in zip(losses, chosen, strict=True))
     return _next_world(
         Action.SWAP, world, seats,
-        f"{what}; swapping in spare ({moves}) at epoch {world.epoch + 1}",
+        f"{what}; {f'restarting on the same node(s), {why}' if why else 'swapping in spare'} "
+        f"({moves}) at epoch {world.epoch + 1}",
         reason=what, lost=_lost_ranks(losses), losses=losses, spares=chosen, clear_reports=handled,
     )
 
@@ -305,6 +307,12 @@ def _on_no_spare(
         )
     if spec.on_no_spare == "shrink":
         return _shrink(spec, world, losses, short, handled)
+    # a lost node whose agent registered again is a node that joined: waiting for yet another
+    # might be forever. A worker's crash or hang is a machine fault: never back to its node.
+    faulty = {lo.node for lo in losses if lo.kind != LossKind.NODE_LOSS}
+    back = _pick(obs, _free_capacity(obs, world, faulty, set(_lost_ranks(losses))), len(losses), warm_only=False)
+    if len(back) == len(losses):
+        return _swap(obs, world, losses, back, handled, why="its agent registered again and no other node has room")
     return _wait(short, losses)
 
 

@@ -199,12 +199,12 @@ class JobSpec:
     replicas: int = 1
     #: Replication points: candidate steps are every ``replicate_every``-th; of those, the
     #: ranks replicate the first that comes ``replicate_interval`` seconds or more after the
-    #: previous point (0, the default: every candidate; configs/demo.yaml sets 5). A node loss rolls back to the last point (a
+    #: previous point (default 5; 0: every candidate). A node loss rolls back to the last point (a
     #: worker crash only to its last step), so this weighs the work a node loss loses (about
     #: max(replicate_every steps, replicate_interval)) against what replicating costs (a copy
     #: over the network and agent CPU per point).
     replicate_every: int = 10
-    replicate_interval: float = 0.0
+    replicate_interval: float = 5.0
     #: Persistent tier: every N steps (a multiple of replicate_every; 0 = off) each rank's
     #: snapshot is flushed to persist_path (default <output_dir>/checkpoints), through
     #: persist_local_dir (fast local disk) if set; the newest persist_keep are kept.

@@ -51,6 +51,11 @@ class StepFailed(Exception):
     """A collective of the recovery protocol failed: wait for the next epoch."""
 
 
+class _AskWider(Exception):
+    """No step is common and some member has wider sources: every member agrees once more
+    with them added (:meth:`RestoreAgreement.run`)."""
+
+
 @dataclass(frozen=True)
 class Membership:
     """This member's place in the epoch being joined."""
@@ -149,18 +154,23 @@ class PeerReplicas:
     LOOKBACK = 8
 
     def likely_holders(self) -> list[str]:
-        """The node that ran this sid before (it keeps a crashed worker's ring slots) and its
-        ring successors in that world (they got its points): the next few of them. Empty when
-        no earlier world ran this sid elsewhere (a fresh job)."""
+        """Each node that ran this sid in the last :attr:`LOOKBACK` epochs, newest first (it
+        keeps a crashed worker's slots), followed by its next few ring successors in that
+        world (they got its points). Not only the newest: a seat whose worker crashed and
+        whose spare was lost before it replicated a point of its own (or a survivor in that
+        seat, asking after a second failure) finds its points with the node before. Empty
+        when no earlier world ran this sid (a fresh job)."""
         epoch = self.js.epoch()
+        out: list[str] = []
         for e in range(epoch - 1, max(epoch - 1 - self.LOOKBACK, 0), -1):
             world = self.js.world(e)
             if world is None:
                 continue
             prev = [world.seats[r].node for r in range(world.size) if world.sid(r) == self.sid]
-            if prev:
-                return [prev[0], *world.successors(prev[0])[: 2 * self.replicas + 2]]
-        return []
+            if prev and prev[0] not in out:
+                near = [prev[0], *world.successors(prev[0])[: 2 * self.replicas + 2]]
+                out += [n for n in near if n not in out]
+        return out
 
     def offer(self) -> set[int]:
         """Asks the likely holders (:meth:`likely_holders`) which steps they hold, and every
@@ -364,6 +374,12 @@ class RestoreAgreement:
     failed (its replica holder died mid-fetch, say) withdraws that step from its offer and all
     of them agree again, so nobody trains on while one member is left without its state.
 
+    A member may also bring ``wider`` sources, asked only when no step is common (the first
+    allreduce carries whether any member has one): a spare that restored a ring step after a
+    worker crash holds none of its seat's older points, but its seat's replica holders still
+    do, and a second node loss soon after may need exactly those. Then every member agrees
+    once more with its wider sources added, before anyone falls back to the persisted tier.
+
     ``phase(name, step)`` is called as a member reaches a phase of the restore (chaos
     entries scheduled ``during`` it; ``step``: the step training resumes at).
     """
@@ -377,24 +393,34 @@ class RestoreAgreement:
         self._failed: list[str] = []  # why this member's loads failed, for an Unrecoverable's sentence
 
     def run(self, sources: Sequence[StateSource], tier: PersistentTier, fresh: bool,
-            started: float | None = None, resume: PersistentTier | None = None) -> Restored:
+            started: float | None = None, resume: PersistentTier | None = None,
+            wider: Sequence[StateSource] = ()) -> Restored:
         """``fresh``: this member's seat was added by a grow and holds nothing. ``started``:
         when the restore began (the ``seconds`` reported count from it; default now).
         ``resume``: the previous run's checkpoints (``hotspare run --resume``), restored
-        instead of a fresh start when nobody holds any state yet."""
+        instead of a fresh start when nobody holds any state yet. ``wider``: sources asked
+        only if the members hold no common step."""
         t0 = time.time() if started is None else started
+        sources = list(sources)
         refused: list[set[int]] = [set() for _ in sources]  # per source: steps it failed to load
         while True:
-            done = self._round(sources, refused, tier, fresh, t0, resume)
+            try:
+                done = self._round(sources, refused, tier, fresh, t0, resume, bool(wider))
+            except _AskWider:
+                sources += wider
+                refused += [set() for _ in wider]
+                wider = ()
+                continue
             if done is not None:
                 return done
 
     def _round(self, sources: Sequence[StateSource], refused: list[set[int]], tier: PersistentTier, fresh: bool,
-               t0: float, resume: PersistentTier | None) -> Restored | None:
-        """One agreement and load; None if some member could not load the agreed step."""
+               t0: float, resume: PersistentTier | None, wider: bool) -> Restored | None:
+        """One agreement and load; None if some member could not load the agreed step;
+        :class:`_AskWider` if no step is common and some member has wider sources."""
         offers = [s.offer() - no for s, no in zip(sources, refused, strict=True)]
         offer: set[int] = set().union(*offers)
-        top, fresh_ranks = self._newest(offer, fresh)
+        top, fresh_ranks, anyone_wider = self._newest(offer, fresh, wider)
         if top == -2 and resume is not None:  # nothing yet: start where the resumed run was
             got = resume.resume()
             return Restored(got.step, got.source, got.nbytes, round(time.time() - t0, 4), seated=True)
@@ -405,6 +431,10 @@ class RestoreAgreement:
         timelines = {st: tl for src, o in zip(reversed(sources), reversed(offers), strict=True)
                      for st in o if (tl := timeline_of(src, st)) is not None}
         common, persisted = self._common(top, offer, fresh, tier, timelines)
+        if not common and anyone_wider:
+            log.info("rank %d: no step of %s is common; agreeing again with the seats' replica holders",
+                     self.me.rank, sorted(offer)[-5:])
+            raise _AskWider()
         if not common and persisted >= 0:
             self.phase("restore", persisted + 1)
             got = tier.load(persisted)  # maybe an older checkpoint than ``persisted``
@@ -456,14 +486,17 @@ class RestoreAgreement:
             raise StepFailed()
         return bool(flag.item())
 
-    def _newest(self, offer: set[int], fresh: bool) -> tuple[int, list[int]]:
-        """First allreduce (MAX): the newest step anywhere (-2: none) and the fresh seats."""
-        head = torch.zeros(1 + self.me.size, dtype=torch.int64)
+    def _newest(self, offer: set[int], fresh: bool, wider: bool) -> tuple[int, list[int], bool]:
+        """First allreduce (MAX): the newest step anywhere (-2: none), the fresh seats, and
+        whether any member has wider sources to ask should no step be common."""
+        head = torch.zeros(2 + self.me.size, dtype=torch.int64)
         head[0] = max(offer) if offer else -2
         head[1 + self.me.rank] = int(fresh)
+        head[-1] = int(wider)
         if not self.pg.allreduce_(head, dist.ReduceOp.MAX):
             raise StepFailed()
-        return int(head[0].item()), [r for r in range(self.me.size) if head[1 + r].item()]
+        fresh_ranks = [r for r in range(self.me.size) if head[1 + r].item()]
+        return int(head[0].item()), fresh_ranks, bool(head[-1].item())
 
     def _common(self, top: int, offer: set[int], fresh: bool, tier: PersistentTier,
                 timelines: dict[int, int] | None = None) -> tuple[list[int], int]:

@@ -452,13 +452,14 @@ class Session:
         own = LocalSlots(self.snapshots, live_step=None if self._dirty else self.committed)
         fresh = bool(self._fresh) and not own.offer()
         sources: list[StateSource] = [own]
-        if not own.offer() and epoch > 1 and not fresh:
-            sources.append(self._replicas)
+        wider: list[StateSource] = []  # a survivor's seat's replica holders, asked only if no step is common
+        if epoch > 1 and not fresh:
+            (wider if own.offer() else sources).append(self._replicas)
         tier = PersistentTier(self.spec.persist_root, self.snapshots, self._pg, me, self.link.event)
         resume = self.spec.resume_root  # `hotspare run --resume`: the previous run's checkpoints
         prev = PersistentTier(resume, self.snapshots, self._pg, me, self.link.event) if resume else None
         return RestoreAgreement(self._pg, self.snapshots, me, phase=lambda name, step: self.chaos.at_phase(
-            name, me.rank, step)).run(sources, tier, fresh, started=t0, resume=prev)
+            name, me.rank, step)).run(sources, tier, fresh, started=t0, resume=prev, wider=wider)
 
     def _write_final(self, total: int) -> None:
         self.snapshots.wait()

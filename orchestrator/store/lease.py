@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -51,20 +52,30 @@ class Lease:
     def _keepalive(self) -> None:
         """One LeaseKeepAlive stream for the lease's life (a new stream per keepalive cost
         etcd a stream set-up each time, its largest steady-state load), opened again after
-        an error; the lease is lost when etcd answers a keepalive with TTL <= 0."""
+        an error; the lease is lost when etcd answers a keepalive with TTL <= 0. The first
+        break after a keepalive got through is a warning, and an expiry says when a keepalive
+        was last answered: a lease that expires says why."""
+        quiet = False  # a break was said already and no keepalive got through since
+        answered = time.monotonic()
         while not self._closed.is_set():
             client = self._store._client
             try:
                 for resp in client.leasestub.LeaseKeepAlive(self._requests(), credentials=client.call_credentials,
                                                               metadata=client.metadata):
+                    quiet = False
                     if resp.TTL <= 0:
-                        log.warning("lease %x expired", self.id)
+                        log.warning("lease %x expired (TTL %ds; a keepalive was last answered %.1fs ago)",
+                                    self.id, self.ttl, time.monotonic() - answered)
                         self._closed.set()
                         self.lost.set()
                         self.on_lost()
                         return
+                    answered = time.monotonic()
             except Exception as e:  # noqa: BLE001 - etcd away or restarted: open a new stream
-                log.debug("lease %x keepalive stream broke (will retry): %s", self.id, e)
+                log.log(logging.DEBUG if quiet else logging.WARNING,
+                        "lease %x keepalive stream broke (retrying every %.1fs): %s", self.id,
+                        min(self._period, 1.0), _details(e))
+                quiet = True
             self._closed.wait(min(self._period, 1.0))
 
     def pause(self) -> None:
@@ -85,3 +96,10 @@ class Lease:
     def close(self) -> None:
         """Stop the keepalives; the lease runs out after its TTL."""
         self._closed.set()
+
+
+def _details(e: BaseException) -> str:
+    code, details = getattr(e, "code", None), getattr(e, "details", None)
+    if callable(code) and callable(details):
+        return f"{getattr(code(), 'name', code())}: {details()}"
+    return f"{type(e).__name__}: {e}"

@@ -17,7 +17,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hotspare.orchestrator.decide import Action, Decision, Loss, LossKind, decide, find_losses
+from hotspare.orchestrator.decide import (
+    Action,
+    Decision,
+    Loss,
+    LossKind,
+    _free_capacity,
+    decide,
+    find_losses,
+)
 from hotspare.orchestrator.spec import JobSpec
 from hotspare.orchestrator.store.job import JobSnapshot
 from hotspare.orchestrator.store.records import JobState, Node, Report, Seat, World
@@ -730,6 +738,7 @@ def test_too_few_free_slots_for_all_losses_is_no_spare():
 def test_no_spare_with_on_no_spare_wait_waits_and_keeps_the_report():
     snap = snapshot_running(ranks=3, spares=0, policy="wait")
     report(snap, 1)
+    lose(snap, "node1")  # and its node is gone: no node has room
     d = decide(snap)
     assert d.action == "wait"
     assert d.world is None and d.final_state is None
@@ -747,10 +756,38 @@ def test_on_no_spare_defaults_to_wait():
 
 def test_a_waiting_job_swaps_once_a_spare_joins():
     snap = snapshot_running(ranks=3, spares=0, policy="wait")
-    report(snap, 1)
+    lose(snap, "node1")
     assert decide(snap).action == "wait"
     add_node(snap, make_node("spare0", "spare"))
     assert_swapped(snap, decide(snap), {1: "spare0"})
+
+
+def test_with_no_spare_and_on_no_spare_wait_a_node_whose_agent_registered_again_takes_its_rank_back():
+    """Its lease expired (etcd slow under load, a network blip) and its agent registered
+    again: with spares: 0, waiting for another node to join could be forever, so the node
+    that is back gets its rank again. The failure guards bound a node that keeps flapping."""
+    snap = snapshot_running(ranks=3, spares=0, policy="wait")
+    restart(snap, "node1")
+    d = decide(snap)
+    new = assert_swapped(snap, d, {1: "node1"}, kind="node-loss")
+    assert new.seats[1].incarnation == snap.nodes["node1"].incarnation
+    assert ("restarting on the same node(s), its agent registered again and no other node has room "
+            "(rank 1 -> node1)") in str(d)
+
+
+def test_a_node_back_but_a_crash_on_another_node_waits_for_a_spare_for_both():
+    snap = snapshot_running(ranks=3, spares=0, policy="wait")
+    restart(snap, "node1")
+    report(snap, 2, kind="exit")  # a machine fault: node2 is not given rank 2 back
+    assert decide(snap).action == "wait"
+
+
+def test_a_lost_node_that_comes_back_takes_its_rank_back_when_no_spare_joined():
+    snap = snapshot_running(ranks=3, spares=0, policy="wait")
+    lose(snap, "node1")
+    assert decide(snap).action == "wait"
+    add_node(snap, make_node("node1", incarnation="node1-inc2"))  # re-registered: a new incarnation
+    assert_swapped(snap, decide(snap), {1: "node1"}, kind="node-loss")
 
 
 def test_no_spare_with_on_no_spare_shrink_drops_the_lost_rank():
@@ -1048,7 +1085,10 @@ def test_every_decision_on_a_running_job_is_consistent(snap):
         new = d.world
         assert new.epoch == old.epoch + 1 and new.size == old.size
         assert set(new.lost) == {lo.rank for lo in losses}
-        assert not failed & set(d.spares)
+        if failed & set(d.spares):  # only when no other node had room and the job would wait for one
+            assert snap.spec.on_no_spare == "wait" and "restarting on the same node(s)" in str(d)
+            assert sum(_free_capacity(snap, old, failed, {lo.rank for lo in losses}).values()) < len(losses)
+            assert all(lo.kind == "node-loss" for lo in losses if lo.node in d.spares)
         assert_slots_respected(snap, new)
         for r, seat in enumerate(new.seats):
             if r in new.lost:

@@ -89,8 +89,10 @@ def _engine(d, steps=(), every=10):
 _LOADED = torch.tensor([1])
 
 
-def _head(top: int, *fresh: int) -> torch.Tensor:
-    return torch.tensor([top, *fresh], dtype=torch.int64)
+def _head(top: int, *fresh: int, wider: int = 0) -> torch.Tensor:
+    """The other members' word in the first allreduce: their newest step, which seats are
+    fresh, and whether any of them has wider sources to ask should no step be common."""
+    return torch.tensor([top, *fresh, wider], dtype=torch.int64)
 
 
 def _mask(steps_held: set[int], top: int, persisted: int, timelines: dict[int, int] | None = None) -> torch.Tensor:
@@ -341,3 +343,66 @@ def test_a_spare_fetches_the_newest_timeline_of_a_step_never_a_pre_rollback_copy
     peers._holders = peers._ask(nodes)
     assert peers.timeline(30) == 2
     assert [h[0] for h in peers._of_timeline(30)] == ["new"]
+
+
+class SeatHolders:
+    """A survivor's seat's replica holders (its ``wider`` source): they hold its older points."""
+
+    def __init__(self, engine: SnapshotEngine, steps: set[int]) -> None:
+        self.engine, self.steps, self.loaded = engine, steps, []
+
+    def offer(self) -> set[int]:
+        return set(self.steps)
+
+    def load(self, step: int) -> Loaded:
+        self.loaded.append(step)
+        _, w = self.engine.providers[0]
+        w.t.fill_(float(step))
+        self.engine.capture(step)
+        self.engine.wait()
+        return Loaded(step, "replica on node3", 32)
+
+
+def test_without_a_common_step_a_member_asks_its_seats_replica_holders_for_an_older_point(tmp_path):
+    """The double failure: this member is a spare that restored ring step 38 after a worker
+    crash, so its slots hold no older point; then another node is lost, and that seat's spare
+    has only point 12 (its predecessor's). No step is common, so every member agrees once
+    more with its seat's replica holders added: they still hold this seat's point 12."""
+    eng, w = _engine(tmp_path, steps=[38])
+    me = Membership(rank=2, size=4, epoch=6)
+    holders = SeatHolders(eng, {12, 0})
+    pg = ScriptedGroup(_head(38, 0, 0, 0, 0), _mask({12}, 38, -1),  # round 1: 38 is not common
+                       _head(38, 0, 0, 0, 0), _mask({12}, 38, -1), _LOADED)  # round 2: 12 is
+    tier = PersistentTier(str(tmp_path / "none"), eng, pg, me, lambda *a, **k: None)
+    r = RestoreAgreement(pg, eng, me).run([LocalSlots(eng, live_step=38)], tier, fresh=False, wider=[holders])
+    assert (r.step, r.source) == (12, "replica on node3") and holders.loaded == [12]
+    assert torch.equal(w.t, torch.full((8,), 12.0)) and not pg.others
+    eng.close()
+
+
+def test_no_member_with_wider_sources_means_no_second_round(tmp_path):
+    """The flag is each member's own: if nobody has wider sources the members go straight to
+    the persisted tier (here: none, so the job ends saying why), one agreement only."""
+    eng, _ = _engine(tmp_path, steps=[38])
+    me = Membership(rank=2, size=4, epoch=6)
+    pg = ScriptedGroup(_head(38, 0, 0, 0, 0), _mask({12}, 38, -1))
+    tier = PersistentTier(str(tmp_path / "none"), eng, pg, me, lambda *a, **k: None)
+    with pytest.raises(Unrecoverable, match="no snapshot step is held by every member of epoch 6"):
+        RestoreAgreement(pg, eng, me).run([LocalSlots(eng, live_step=38)], tier, fresh=False)
+    assert not pg.others
+    eng.close()
+
+
+def test_another_members_wider_sources_make_this_member_agree_again_with_its_own(tmp_path):
+    """Only another member has wider sources (its flag arrives in the MAX): this member agrees
+    a second time with the same offer, and the step the wider round finds is loaded here from
+    its own slots."""
+    eng, w = _engine(tmp_path, steps=[-1, 10, 37, 38])  # ring: 37, 38; points: -1, 10
+    me = Membership(rank=0, size=2, epoch=6)
+    pg = ScriptedGroup(_head(40, 0, 0, wider=1), _mask({40}, 40, -1),
+                       _head(40, 0, 0), _mask({40, 10}, 40, -1), _LOADED)
+    tier = PersistentTier(str(tmp_path / "none"), eng, pg, me, lambda *a, **k: None)
+    r = RestoreAgreement(pg, eng, me).run([LocalSlots(eng, live_step=38)], tier, fresh=False)
+    assert (r.step, r.source) == (10, "own snapshot") and torch.equal(w.t, torch.full((8,), 10.0))
+    assert not pg.others
+    eng.close()

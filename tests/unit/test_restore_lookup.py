@@ -82,3 +82,15 @@ def test_when_no_likely_holder_has_anything_every_agent_is_asked(monkeypatch):
 def test_a_fresh_job_has_no_likely_holders():
     js = FakeJobStore({1: world(1, ["a", "b"])}, ["a", "b"])
     assert PeerReplicas(js, sid=0, engine=None).likely_holders() == []
+
+
+def test_the_nodes_that_ran_the_sid_earlier_are_asked_too_newest_first():
+    """sid 3 ran on node3, whose worker crashed (epoch 5: spare0 took the seat), then another
+    node was lost (epoch 6). spare0 replicated no point of sid 3 yet: its older points are on
+    node3 (the crashed worker's slots) and node3's successors, so they are asked as well."""
+    names = [f"node{i}" for i in range(8)]
+    seated = [("spare0" if x == "node3" else x) for x in names]
+    worlds = {4: world(4, names), 5: world(5, seated), 6: world(6, [("spare1" if x == "node5" else x) for x in seated])}
+    js = FakeJobStore(worlds, names + ["spare0", "spare1"])
+    holders = PeerReplicas(js, sid=3, engine=None, replicas=1).likely_holders()
+    assert holders == ["spare0", "node4", "node5", "node6", "node7", "node3"]
