@@ -44,6 +44,23 @@ OWNER = ".owner"
 UNCLAIMED_GRACE_S = 60.0
 
 
+#: The name a run directory has until its owner lock is held (the sweep looks at ``hotspare-*``).
+CLAIMING = ".claiming-"
+
+
+def make_run_dir(base: Path, prefix: str) -> tuple[Path, int]:
+    """A new directory ``base/<prefix>XXXXXXXX`` and the descriptor holding its owner lock.
+    It is made under a name the sweep does not look at, claimed, then renamed into place: a
+    sweep running beside it (another agent starting) sees it only once it is locked. Claimed
+    in place, the owner file existed unlocked for a moment, and a sweep that locked it then
+    removed the new agent's directory under it ("No such file or directory" at start-up)."""
+    tmp = Path(tempfile.mkdtemp(prefix=CLAIMING + prefix, dir=base))
+    fd = claim_run_dir(tmp)
+    final = base / tmp.name.removeprefix(CLAIMING)
+    os.rename(tmp, final)  # atomic; the lock is on the owner file, which moves with it
+    return final, fd
+
+
 def claim_run_dir(run_dir: Path) -> int:
     """Create ``run_dir``'s owner file and lock it; the returned descriptor holds the lock
     until it is closed or the process dies (the kernel drops it then, whatever killed us)."""
@@ -81,10 +98,19 @@ def sweep_stale_run_dirs(base: Path) -> None:
     """Remove snapshot directories of agents that died without cleaning up (SIGKILL, node
     loss): their shared memory would otherwise stay allocated until reboot. A directory is
     stale when nobody holds its owner lock (see :func:`_owner_gone`); symlinks are never
-    followed."""
-    for d in base.glob("hotspare-*"):
-        if d.is_dir() and not d.is_symlink() and _owner_gone(d):
+    followed. A directory still being claimed (:func:`make_run_dir`) is swept only if it was
+    left so for ``UNCLAIMED_GRACE_S`` (its agent died in those microseconds)."""
+    for d in [*base.glob("hotspare-*"), *base.glob(CLAIMING + "hotspare-*")]:
+        if d.is_dir() and not d.is_symlink() and _owner_gone(d) and (
+                not d.name.startswith(CLAIMING) or _older_than(d, UNCLAIMED_GRACE_S)):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def _older_than(d: Path, seconds: float) -> bool:
+    try:
+        return time.time() - d.lstat().st_mtime > seconds
+    except OSError:
+        return False
 
 
 def ring_successors(world: World, me: str) -> list[str]:
@@ -128,8 +154,7 @@ class NodeServices:
         sweep_stale_run_dirs(base)
         # per run and per agent process: a new run of the job name never reads an old one's slots
         run = f"{spec.run_id}-" if spec.run_id else ""
-        self.run_dir = Path(tempfile.mkdtemp(prefix=f"hotspare-{job}-{node}-{run}{os.getpid()}-", dir=base))
-        self._owner = claim_run_dir(self.run_dir)
+        self.run_dir, self._owner = make_run_dir(base, f"hotspare-{job}-{node}-{run}{os.getpid()}-")
         self._view = NodeView(world_size=spec.ranks)
         self._replicate = spec.replication_enabled
         replicas = ReplicaStore(self.run_dir)

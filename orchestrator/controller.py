@@ -85,9 +85,10 @@ class Controller:
             self._lease = self.store.lease(self.ttl)
         return self._lease
 
-    def lead(self, js: JobStore) -> bool:
-        """True if we hold (or just took) the job's leader key."""
-        leading, took = js.try_lead(self.ident, self._ensure_lease())
+    def lead(self, js: JobStore, seen: JobSnapshot | None = None) -> bool:
+        """True if we hold (or just took) the job's leader key (``seen``: as a snapshot just
+        read says, without reading the key again)."""
+        leading, took = js.try_lead(self.ident, self._ensure_lease(), seen)
         if took:
             log.info("leading job %s as %s", js.job, self.ident)
             js.put_event(events.leader(self.ident))
@@ -191,7 +192,7 @@ class Controller:
         if snap.state.terminal:
             self._finished.add((job, snap.run_id))
             return None
-        if not self.lead(js):
+        if not self.lead(js, snap):
             return None
         if snap.bad:
             self._report_bad_records(js, snap)

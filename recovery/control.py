@@ -2,7 +2,8 @@
 
 It watches the job's epoch key (watch plus a slow poll as a fallback, so an etcd outage
 costs latency, not correctness), tells the process group the moment a newer epoch exists,
-publishes progress every ``progress_interval`` seconds, and writes queued events. The
+publishes progress every ``progress_interval`` seconds (and at once after the first step
+trained in each world), and writes queued events. The
 training loop only reads plain attributes set here.
 """
 
@@ -39,7 +40,7 @@ class ControlLink:
         member: Member,
         node: str,
         on_epoch: Callable[[int], object],
-        progress_interval: float = 5.0,
+        progress_interval: float = 10.0,
         poll_interval: float = 30.0,
     ) -> None:
         self.js = jobstore
@@ -52,6 +53,7 @@ class ControlLink:
         self._events: queue.Queue[Event] = queue.Queue()
         self._wake = threading.Event()
         self._epoch_changed = False  # set by the watch on the epoch key
+        self._progress_now = False  # set by progress_now()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hotspare-control", daemon=True)
         self._cancel_watch = lambda: None
@@ -75,6 +77,12 @@ class ControlLink:
         """Queue an event under this rank's name (time taken now)."""
         self.put(Event(time=time.time(), kind=str(kind), source=f"rank{self._session.rank}", message=message,
                        data=dict(data)))
+
+    def progress_now(self) -> None:
+        """Publish a progress record at the next wake-up, not at the next interval (the first
+        step trained in a new world: `hotspare status` shows it at once)."""
+        self._progress_now = True
+        self._wake.set()
 
     def put(self, ev: Event) -> None:
         """Queue a built event (:mod:`hotspare.orchestrator.store.events`); the control thread writes
@@ -150,8 +158,8 @@ class ControlLink:
                 self.check_epoch()  # one cheap get; the watch makes it prompt
                 last_poll = now
             s = self._session
-            if now - last_progress >= self.progress_interval:
-                last_progress = now
+            if self._progress_now or now - last_progress >= self.progress_interval:
+                self._progress_now, last_progress = False, now
                 if s.epoch > 0 and s.committed != published:  # joined, and something new
                     try:
                         published = self.publish_progress()

@@ -150,7 +150,7 @@ class Session:
                                persist_root=spec.persist_root, event=self.link.event, beat=self._beat,
                                lease_ttl=spec.lease_ttl)
         self._grad_buf: torch.Tensor | None = None
-        self._resumed_pending = False
+        self._resumed_pending = self._first_step = False
         self.snapshots = SnapshotEngine(Path(snap_dir or tempfile.mkdtemp(prefix="hotspare-snap-")), self.sid,
                                         replicate_every=spec.point_every, beat=self._beat, test_delay=snapshot_delay)
         self.snapshots.providers = [("rng", RNGState())]
@@ -329,6 +329,9 @@ class Session:
             self._last_point = time.monotonic()
         self._dirty = False
         self._beat(step)
+        if self._first_step:  # the first step trained in this world: its progress record at once
+            self._first_step = False
+            self.link.progress_now()
         if self._resumed_pending:
             self._resumed_pending = False
             self.link.put(events.resumed(self.rank, self.epoch, step))
@@ -432,7 +435,7 @@ class Session:
             self.committed = restored.step
             self._last_point = time.monotonic()  # every rank restored one step: the interval starts anew
             self._beat()  # the heartbeat names the restored step: a failure is reported at the step it hit
-            self._resumed_pending = epoch > 1
+            self._resumed_pending, self._first_step = epoch > 1, True
             self.last_restore = restored.info()
             self.link.put(events.restored(rank, epoch, restored.step, **self.last_restore))
             return restored.step + 1

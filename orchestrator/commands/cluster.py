@@ -68,10 +68,15 @@ def cmd_agent(args: argparse.Namespace) -> int:
     return agent.run()
 
 
+#: seconds a starting controller waits for an etcd that does not answer (`hotspare up` and
+#: `hotspare run` start it right after etcd reported healthy; a loaded machine can still be slow)
+CONTROLLER_PATIENCE = 60.0
+
+
 def connect_patiently(args: argparse.Namespace, eps: list[str], patience: float) -> Store:
     """:func:`connect`, retried while etcd is unreachable for up to ``patience`` seconds: a
-    node agent may start before its etcd does (pods in any order) or while it is too busy to
-    answer one ping. A wrong password or certificate fails at once."""
+    node agent or a controller may start before its etcd does (pods in any order) or while it
+    is too busy to answer one ping. A wrong password or certificate fails at once."""
     deadline = time.monotonic() + patience
     said = 0.0
     while True:
@@ -82,7 +87,7 @@ def connect_patiently(args: argparse.Namespace, eps: list[str], patience: float)
             if not isinstance(e.__cause__, StoreUnavailable) or left <= 0:
                 raise
             if time.monotonic() - said >= 10:
-                print(f"hotspare agent: {e}; retrying for up to {left:.0f}s more", file=sys.stderr, flush=True)
+                print(f"hotspare {args.cmd}: {e}; retrying for up to {left:.0f}s more", file=sys.stderr, flush=True)
                 said = time.monotonic()
             time.sleep(min(1.0, left))
 
@@ -127,7 +132,8 @@ def cmd_controller(args: argparse.Namespace) -> int:
     # loaded here, not at the top: the controller's modules are not needed by any other command
     from ..controller import Controller
 
-    st = connect(args, endpoints(args))
+    # a controller that gave up on a busy etcd at start left its jobs unplaced, with nobody to say so
+    st = connect_patiently(args, endpoints(args), CONTROLLER_PATIENCE)
     if args.register:
         print(register_job(st, args.register), flush=True)
     c = Controller(st, ttl=args.leader_ttl, job=args.job)

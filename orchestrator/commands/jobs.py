@@ -7,6 +7,7 @@ import dataclasses
 import json
 import secrets
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ from hotspare.recovery import persist
 from .. import embedded, entry_check, status, timeline
 from ..launchers import Launcher, LaunchError, load_record, record_endpoints, save_record
 from ..spec import JobSpec, SpecError, load_spec, parse_overrides
-from ..store import Conflict, EventKind, JobSnapshot, JobStore, Report, StoreError, new_run_id
+from ..store import KV, Conflict, EventKind, JobSnapshot, JobStore, Report, StoreError, new_run_id
 from ..store.records import AGENT_FAILED
 from ..util import Waker
 from .common import (
@@ -329,8 +330,13 @@ def _progress_line(snap: JobSnapshot, steps: int, shown: int = 0) -> tuple[str, 
 REDRAW_EVERY = 1.0
 LOG_EVERY = 5.0
 #: seconds between reads of etcd's alarms while following a job that makes progress (a full etcd
-#: raises NOSPACE); while no rank's step advances they are read every round
+#: raises NOSPACE); once no rank's step advanced for STALLED_AFTER (more than one of the
+#: ranks' 10 s progress records) they are read every round
 ALARM_EVERY = 30.0
+STALLED_AFTER = 15.0
+#: seconds between full reads of the job when no watch said anything changed (a watch
+#: event lost while etcd was away costs this much staleness, not correctness)
+SAFETY_READ = 30.0
 
 
 def _report_exited_agents(js: JobStore, snap: JobSnapshot, exited: Callable[[], dict[str, str]] | None) -> None:
@@ -347,32 +353,61 @@ def _report_exited_agents(js: JobStore, snap: JobSnapshot, exited: Callable[[], 
                          + (f"; its log ends: {last}" if last else "")))
 
 
+class _Feed:
+    """The job as `hotspare run` follows it: read in full when a watch on its keys or its
+    events says something changed (or after SAFETY_READ), the ranks' progress records taken
+    from their watch's puts in between, without a read."""
+
+    def __init__(self, js: JobStore) -> None:
+        self.js, self.wake = js, Waker()
+        self.snap: JobSnapshot | None = None
+        self._changed, self._since, self._read_at = True, 0, 0.0
+        self._progressed: dict[str, KV] = {}  # progress puts the watch delivered since
+        self._lock = threading.Lock()
+        self._cancels = [js.store.watch_prefix(js.keys.prefix, self._poke),
+                         js.store.watch_prefix(js.keys.events_prefix, self._poke),
+                         js.store.watch_prefix(js.keys.progress_prefix, self._poke, on_kvs=self._on_progress)]
+
+    def _poke(self) -> None:
+        self._changed = True
+        self.wake.set()
+
+    def _on_progress(self, changes: list[tuple[KV, bool]]) -> None:
+        with self._lock:
+            self._progressed.update((kv.key, kv) for kv, deleted in changes if not deleted)
+
+    def read(self) -> tuple[JobSnapshot, list]:
+        """The job now, and its events since the last read."""
+        with self._lock:
+            kvs = list(self._progressed.values())
+            self._progressed.clear()
+        if self._changed or self.snap is None or time.monotonic() - self._read_at >= SAFETY_READ:
+            self._changed = False  # cleared first: an event during the reads reads again
+            self.snap, self._read_at = self.js.snapshot(), time.monotonic()
+            new, self._since = self.js.events_since(self._since)
+            return self.snap, new
+        if kvs:
+            self.snap = self.js.with_progress(self.snap, kvs)
+        return self.snap, []
+
+    def close(self) -> None:
+        for cancel in self._cancels:
+            cancel()
+        self.wake.close()
+
+
 def _watch(js: JobStore, spec: JobSpec, out: TextIO, timeout: float | None,
            embedded_dir: Path | None = None, exited: Callable[[], dict[str, str]] | None = None) -> str:
     """Print the job's new events and a progress line until it ends; its final state. Woken by
     watches on the job's keys and events. ``exited``: {node: last log line} of our dead agents."""
-    start, last_line, tty, shown, last_epoch, since = time.monotonic(), "", out.isatty(), 0, 0, 0
+    start, last_line, tty, shown, last_epoch = time.monotonic(), "", out.isatty(), 0, 0
     alarm = ""  # etcd's alarm last said (a full etcd answers reads: the job would look stuck, silently)
-    printed = start - LOG_EVERY
-    wake = Waker()
-    changed = [True]  # the job's keys or its events changed since the last full read
-
-    def poke() -> None:
-        changed[0] = True
-        wake.set()
-
-    cancels = [js.store.watch_prefix(js.keys.prefix, poke), js.store.watch_prefix(js.keys.events_prefix, poke)]
-    snap, alarm_read = None, -ALARM_EVERY
+    printed, alarm_read, advanced = start - LOG_EVERY, -ALARM_EVERY, start
+    feed = _Feed(js)
     try:
         while True:
             try:
-                new = []
-                if changed[0] or snap is None:
-                    changed[0] = False  # cleared first: an event during the reads reads again
-                    snap = js.snapshot()
-                    new, since = js.events_since(since)
-                else:  # nothing changed but the ranks' progress (outside the watched keys)
-                    snap = js.with_progress(snap)
+                snap, new = feed.read()
                 for ev in new:
                     first_placement = ev.kind == EventKind.ASSIGNED and snap.epoch <= 1 and ev.data.get("epoch") == 1
                     if ev.kind in WATCHED and not first_placement:
@@ -382,7 +417,9 @@ def _watch(js: JobStore, spec: JobSpec, out: TextIO, timeout: float | None,
                     return snap.state.value
                 _report_exited_agents(js, snap, exited)
                 line, done = _progress_line(snap, spec.steps, shown)
-                stalled, shown = done == shown, done
+                if done > shown:
+                    advanced = time.monotonic()
+                stalled, shown = time.monotonic() - advanced >= STALLED_AFTER, done
                 # a job making progress has no alarm worth a request each round; a stalled one may
                 # (a full etcd answers reads: the job would look stuck, silently)
                 if stalled or time.monotonic() - alarm_read >= ALARM_EVERY:
@@ -403,11 +440,9 @@ def _watch(js: JobStore, spec: JobSpec, out: TextIO, timeout: float | None,
             if timeout and time.monotonic() - start > timeout:
                 js.request_cancel()
                 raise CliError(f"job {spec.name} did not finish within --timeout {timeout:.0f}s; cancelled it")
-            wake.wait(REDRAW_EVERY if tty else LOG_EVERY)
+            feed.wake.wait(REDRAW_EVERY if tty else LOG_EVERY)
     finally:
-        for cancel in cancels:
-            cancel()
-        wake.close()
+        feed.close()
 
 
 def _allocation_over(args: argparse.Namespace, rec: dict) -> int | None:

@@ -89,15 +89,19 @@ class JobStore:
         self.keys = JobKeys(job)
 
     def snapshot(self, progress: bool = True) -> JobSnapshot:
-        """The control state at one revision, plus (unless asked not to) the ranks' latest
-        progress records, read right after it.
+        """The control state at one revision, with (unless asked not to) the ranks' latest
+        progress records.
 
         Of the worlds only the current one is read (the others are history: 680 KB each at
         10,000 ranks; a prefix read of them all outgrew gRPC's 4 MB answers after three
-        decisions in benchmarks/scale.py): the rest of the prefix in one transaction, then
-        the world of the epoch it holds -- written once, in the txn that wrote that epoch."""
+        decisions in benchmarks/scale.py): the rest of the prefix and the progress records in
+        one transaction, then the world of the epoch it holds -- written once, in the txn that
+        wrote that epoch. Two requests."""
         p, worlds = self.keys.prefix, self.keys.world(0).rsplit("/", 1)[0]  # .../world
-        kvs = self.store.get_many([], ranges=[(p, worlds + "/"), (worlds + "0", _range_end(p))])
+        ranges = [(p, worlds + "/"), (worlds + "0", _range_end(p))]
+        if progress:
+            ranges.append((self.keys.progress_prefix, _range_end(self.keys.progress_prefix)))
+        kvs = self.store.get_many([], ranges=ranges)
         epoch = next((kv for kv in kvs if kv.key == self.keys.epoch), None)
         if epoch is not None:
             try:
@@ -106,14 +110,15 @@ class JobStore:
                 world = None  # parse_snapshot names the bad epoch record
             if world is not None:
                 kvs.append(world)
-        if progress:
-            kvs += self.store.get_prefix(self.keys.progress_prefix)[0]
         return parse_snapshot(self.job, kvs, 0)
 
-    def with_progress(self, snap: JobSnapshot) -> JobSnapshot:
-        """``snap`` with the ranks' progress records read again (one request)."""
-        fresh = parse_snapshot(self.job, self.store.get_prefix(self.keys.progress_prefix)[0], 0)
-        return dataclasses.replace(snap, progress=fresh.progress)
+    def with_progress(self, snap: JobSnapshot, kvs: Iterable[KV] | None = None) -> JobSnapshot:
+        """``snap`` with the ranks' progress records read again (one request), or, given
+        ``kvs`` (a watch's puts under the progress prefix), with those put over its own."""
+        if kvs is None:
+            fresh = parse_snapshot(self.job, self.store.get_prefix(self.keys.progress_prefix)[0], 0)
+            return dataclasses.replace(snap, progress=fresh.progress)
+        return dataclasses.replace(snap, progress={**snap.progress, **parse_snapshot(self.job, list(kvs), 0).progress})
 
     def agent_keys(self, node: str) -> tuple[list[str], list[str]]:
         """(keys, prefixes) a node agent acts on. Not the whole job: node records come and go
@@ -281,13 +286,18 @@ class JobStore:
         """Remove an agent's node key now (a clean exit), instead of when its lease expires."""
         self.store.delete(self.keys.node(node))
 
-    def try_lead(self, ident: str, lease: Lease) -> tuple[bool, bool]:
+    def try_lead(self, ident: str, lease: Lease, seen: JobSnapshot | None = None) -> tuple[bool, bool]:
         """(leading, just_took): whether ``ident`` holds the job's leader key, and whether
         this call created it. The key lives under ``lease``: a dead leader's key expires and
-        a standby's next call takes it."""
-        kv = self.store.get(self.keys.leader)
-        if kv is not None:
-            return kv.value.decode() == ident, False
+        a standby's next call takes it. ``seen``: a snapshot just read, whose leader is taken
+        instead of reading the key again (whatever a leader writes is fenced on the key)."""
+        if seen is not None:
+            holder = seen.leader
+        else:
+            kv = self.store.get(self.keys.leader)
+            holder = kv.value.decode() if kv is not None else None
+        if holder is not None:
+            return holder == ident, False
         took = self.store.create(self.keys.leader, ident, lease=lease)
         return took, took
 

@@ -299,6 +299,9 @@ def test_etcds_space_quota_reached_mid_job_is_named_and_the_job_ends_once_it_is_
         for r in range(3):
             text = (logs / f"rank{r}.log").read_text(errors="replace")
             assert text.count("space quota is exhausted") == 1, text[-2000:]
+        # `hotspare run` reads etcd's alarms every round once no step advanced for 15 s
+        cluster.wait(lambda: "its space quota is exhausted (NOSPACE alarm)" in (tmp_path / "run.out").read_text(),
+                     timeout=60, what="`hotspare run` to name the alarm")
         # the operator's fix: free the space, compact, defragment, disarm
         client = cluster.store._client
         cluster.store.delete_prefix("/junk/")

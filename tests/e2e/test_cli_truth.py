@@ -124,7 +124,7 @@ def test_status_progress_and_logs_tell_the_truth_across_a_recovery(cluster, tmp_
             return data["step"] > 0 and {"loss", "acc"} <= set(data["metrics"])
         cluster.wait(metrics_shown, what="status --json to show the step and the metrics")
         data = json.loads(cluster.hotspare("status", job, "--json", check=True).stdout)
-        assert data["total_steps"] == 150 and 0 < data["metrics"]["acc"] < 1
+        assert data["total_steps"] == 150 and 0 <= data["metrics"]["acc"] <= 1  # the first step's may be 0
         assert all("acc" in r["metrics"] for r in data["ranks"] if r["state"] == "running"), data
         assert run.wait(240) == 0, run_log.read_text()
         assert follow.wait(60) == 0  # --follow ended by itself when the job did

@@ -135,3 +135,36 @@ def test_an_agent_whose_etcd_does_not_answer_yet_waits_for_it_then_says_why_it_g
     dead = subprocess.run([*cmd[:-6], "--etcd", nothing, "--zygote", "off", "--wait", "2"], capture_output=True,
                           text=True, timeout=120)
     assert dead.returncode == 2 and f"cannot use etcd at {nothing}" in dead.stderr.splitlines()[-1], dead.stderr
+
+
+def test_a_controller_started_before_its_etcd_answers_waits_for_it_and_then_leads(tmp_path):
+    """A controller that gave up on an etcd too busy to answer its first ping left the job it
+    was started for unplaced, with nobody to say so: it waits (saying so) and then leads."""
+    import os
+    import subprocess
+    import sys
+
+    from hotspare.orchestrator.etcd_server import EtcdServer, free_port
+    from hotspare.orchestrator.spec import load_spec
+    from hotspare.orchestrator.store import JobStore, Store, wait_until
+
+    from ..conftest import write_spec
+
+    srv = EtcdServer(tmp_path / "etcd", free_port(), free_port())
+    env = dict(os.environ, HOTSPARE_ETCD=srv.endpoint, HOTSPARE_STATE_DIR=str(tmp_path / "state"))
+    ctl = subprocess.Popen([sys.executable, "-m", "hotspare.orchestrator.cli", "controller", "--leader-ttl", "2"],
+                           env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        said = ctl.stderr.readline()  # blocks until it says it waits (or exits)
+        assert "retrying for up to" in said and "etcd" in said, said
+        srv.start(log_path=tmp_path / "etcd.log")
+        srv.wait_ready()
+        st = Store([srv.endpoint])
+        js = JobStore(st, "late")
+        js.submit(load_spec(write_spec(tmp_path, name="late", ranks=1, spares=0, steps=5)), b"x" * 32)
+        assert wait_until(lambda: js.snapshot().leader is not None, timeout=60), "the controller never led the job"
+        assert ctl.poll() is None
+    finally:
+        ctl.terminate()
+        ctl.wait(30)
+        srv.stop()

@@ -16,6 +16,7 @@ from hotspare.orchestrator.store import (
     JobStore,
     Lease,
     Node,
+    Progress,
     Report,
     Seat,
     Store,
@@ -325,3 +326,50 @@ def test_events_are_read_by_revision_so_a_late_event_with_an_older_time_is_not_m
     js.put_event(Event(time=1000.0, kind="a", source="x", message="late", data={}))
     late, _ = js.events_since(rev)
     assert [e.message for e in late] == ["late"]
+
+
+def _counting(st: Store) -> list[str]:
+    """The requests ``st`` makes from now on, by name."""
+    made: list[str] = []
+    call = st._call
+
+    def counted(what, fn):
+        made.append(what)
+        return call(what, fn)
+
+    st._call = counted  # type: ignore[method-assign]
+    return made
+
+
+def test_a_snapshot_is_two_requests_and_its_leader_needs_no_third(etcd):
+    """The controller's round: the job's keys and the progress records in one transaction,
+    then the current world; whether it leads is answered from that snapshot."""
+    st = Store([etcd.endpoint])
+    js = JobStore(st, "two")
+    js.put_progress(Progress(rank=0, step=7, epoch=1, node="n0", time=1.0))
+    lease, other = st.lease(5), st.lease(5)
+    assert js.try_lead("A", lease) == (True, True)
+    made = _counting(st)
+    snap = js.snapshot()
+    assert snap.progress[0].step == 7 and snap.leader == "A"
+    assert js.try_lead("A", lease, snap) == (True, False)
+    assert js.try_lead("B", other, snap) == (False, False)
+    assert made == ["get_many"], "a job without an epoch has no world to read; the leader came with it"
+
+
+def test_hotspare_run_follows_progress_from_its_watch_without_reading_it(etcd):
+    from hotspare.orchestrator.commands.jobs import _Feed
+
+    st = Store([etcd.endpoint])
+    js = JobStore(st, "feed")
+    feed = _Feed(js)
+    try:
+        snap, _ = feed.read()
+        assert snap.progress == {}
+        made = _counting(st)
+        js.put_progress(Progress(rank=1, step=41, epoch=1, node="n1", time=2.0))
+        assert wait_until(lambda: feed.read()[0].progress.get(1) is not None, timeout=10)
+        assert feed.read()[0].progress[1].step == 41
+        assert [m.split()[0] for m in made] == ["put"], f"progress came from the watch, no read: {made}"
+    finally:
+        feed.close()

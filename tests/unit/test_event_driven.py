@@ -126,3 +126,43 @@ def test_a_long_lived_etcd_ticks_slowly_unless_the_environment_says_otherwise(mo
     with pytest.raises(RuntimeError, match="stop here"):
         embedded._start(tmp_path, None, log=lambda m: None)
     assert seen["heartbeat_ms"] == etcd_server.LONG_LIVED_HEARTBEAT_MS  # what `hotspare up` starts
+
+
+class _LinkStore:
+    """What a ControlLink uses of a JobStore: no etcd; progress records are kept in a list."""
+
+    def __init__(self) -> None:
+        self.keys = types.SimpleNamespace(epoch="/e")
+        self.store = types.SimpleNamespace(watch_prefix=lambda prefix, cb: (lambda: None))
+        self.records: list = []
+        self.put = threading.Event()
+
+    def epoch(self) -> int:
+        return 1
+
+    def put_progress(self, pr) -> None:
+        self.records.append(pr)
+        self.put.set()
+
+    def put_event(self, ev) -> None:
+        pass
+
+
+def test_the_first_step_of_a_world_is_published_at_once_not_at_the_next_interval():
+    """Progress records come every progress_interval (10 s); the first step trained in a new
+    world is published at the next wake-up, so `hotspare status` shows a (re)started job."""
+    from hotspare.recovery.control import ControlLink
+
+    js = _LinkStore()
+    member = types.SimpleNamespace(rank=0, epoch=0, committed=-1, step_time=0.0, compute_time=0.0, metrics={})
+    link = ControlLink(js, member, "n0", on_epoch=lambda e: None, progress_interval=3600, poll_interval=3600)
+    link.start()
+    try:
+        assert not js.put.wait(0.2)  # not joined: nothing to publish
+        member.epoch, member.committed = 2, 41
+        assert not js.put.wait(0.2), "no record before it is asked for, with a 1-hour interval"
+        link.progress_now()
+        assert js.put.wait(60)
+        assert [(r.epoch, r.step) for r in js.records] == [(2, 41)]
+    finally:
+        link.stop()

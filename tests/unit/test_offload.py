@@ -178,6 +178,19 @@ def test_amsgrad_and_no_hooks(pair):
     assert_same(m1, ref, m2, opt)
 
 
+@pytest.mark.parametrize(("kw", "in_backward"), [({}, True), ({"step_in_backward": False}, False)])
+def test_by_default_a_plain_models_layers_start_their_update_during_backward(pair, kw, in_backward):
+    """step_in_backward left unset on a model without DDP means yes: each layer's update is
+    queued by its gradient hook while backward runs, before step() is called (the results are
+    identical either way, so only this shows that the update overlaps backward)."""
+    _, _, m2, opt = pair(lr=1e-2, **kw)
+    [(x, y)] = batches(1)[0]
+    loss_fn(m2(x), y).backward()
+    assert [L.queued_it == opt._it for L in opt.layers] == [in_backward] * len(opt.layers)
+    opt.step()
+    opt.finish()
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_small_budget_streams_layers(pair, overlap):
     m1, ref, m2, opt = pair(lr=1e-2, blocks=6, overlap=overlap)

@@ -273,3 +273,51 @@ def test_the_sweep_removes_only_old_unclaimed_dirs_of_dead_pids_and_never_follow
     assert not old.exists()
     assert fresh.exists() and alive.exists()
     assert (target / "keep").exists()
+
+
+def test_a_run_dir_is_never_swept_while_its_agent_claims_it(tmp_path, monkeypatch):
+    """Two agents starting at once: one sweeps while the other claims its new directory. The
+    owner file existed a moment before its lock, and a sweep in that moment locked it and
+    removed the directory ("No such file or directory" when the agent made its doorbell). A
+    directory becomes visible to the sweep only once its lock is held."""
+    import os
+
+    from hotspare.agents import node_services
+    from hotspare.agents.node_services import OWNER, make_run_dir, sweep_stale_run_dirs
+
+    real_flock, swept = node_services.fcntl.flock, []
+
+    def flock_after_a_sweep(fd, op):  # the other agent's sweep runs between owner file and lock
+        if not swept:
+            swept.append(True)
+            sweep_stale_run_dirs(tmp_path)
+        real_flock(fd, op)
+
+    monkeypatch.setattr(node_services.fcntl, "flock", flock_after_a_sweep)
+    d, fd = make_run_dir(tmp_path, f"hotspare-job-n0-{os.getpid()}-")
+    try:
+        assert swept and d.is_dir() and (d / OWNER).exists() and d.name.startswith("hotspare-job-n0-")
+        monkeypatch.setattr(node_services.fcntl, "flock", real_flock)
+        sweep_stale_run_dirs(tmp_path)
+        assert d.is_dir(), "a live agent's directory is kept"
+    finally:
+        os.close(fd)
+    sweep_stale_run_dirs(tmp_path)
+    assert not d.exists() and not list(tmp_path.iterdir())
+
+
+def test_a_run_dir_left_mid_claim_is_swept_once_it_is_old(tmp_path):
+    import os
+
+    from hotspare.agents import node_services
+    from hotspare.agents.node_services import CLAIMING, sweep_stale_run_dirs
+
+    left = tmp_path / f"{CLAIMING}hotspare-job-n0-{_dead_pid()}-abc"
+    left.mkdir()
+    (left / node_services.OWNER).write_text("")
+    sweep_stale_run_dirs(tmp_path)
+    assert left.exists(), "it may be an agent between its owner file and its lock"
+    past = time.time() - node_services.UNCLAIMED_GRACE_S - 5
+    os.utime(left, (past, past))
+    sweep_stale_run_dirs(tmp_path)
+    assert not left.exists()
