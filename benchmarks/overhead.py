@@ -258,7 +258,7 @@ def run_on(a: argparse.Namespace) -> dict[str, Any]:
     if agent:
         # a point is written only once the previous one is confirmed: by the end, every point but
         # the newest must be (the newest may still be in flight when the stand-in stops)
-        points = [s for s in range(-1, a.warmup + a.steps) if engine.is_point(s)]
+        points = [s for s in range(-1, a.warmup + a.steps) if engine.is_candidate(s)]
         need = points[-2] if len(points) > 1 else None
         got = (repl.get("confirmed") or [None])[0]
         if need is not None and (got is None or got < need):

@@ -301,7 +301,7 @@ class Session:
         it is a ``persist_every`` step, or this rank's agent passed on a ``hotspare
         checkpoint`` request for it. The interval is each rank's own clock; the vote is
         what makes the answer common."""
-        if not self.snapshots.is_point(step):
+        if not self.snapshots.is_candidate(step):
             return False
         spec = self.spec
         if spec.replicate_interval <= 0:

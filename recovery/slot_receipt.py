@@ -42,7 +42,7 @@ class SlotReceipt:
         self._meta = header.get("meta", {})  # what the state is restored with, as the source captured it
         hb = json.dumps({"rank": eng.sid, "step": self.step, "time": time.time(), "data_len": data_len,
                          **lineage, "meta": self._meta, "tensors": header["tensors"]}, separators=(",", ":")).encode()
-        k = eng._pick_slot(eng.is_point(self.step))
+        k = eng._pick_slot(eng.is_candidate(self.step))
         slot, _ = eng._slot_for(k, len(hb), data_len)
         eng._seq, eng._steps[k] = eng._seq + 1, -2
         self._at = (k, eng._seq, len(hb), data_len)
@@ -59,7 +59,7 @@ class SlotReceipt:
         self._release()
         slot.set_ctrl(COMPLETE, self.step, seq, hlen, data_len)
         eng._steps[k], eng._seqs[k] = self.step, seq
-        if eng.is_point(self.step):
+        if eng.is_candidate(self.step):
             eng._last_point = (self.step, seq)
             eng._agent_bell.ring()  # the replicator pushes it on to this node's buddies
         header = json.loads(bytes(slot.mm[CTRL_SIZE : CTRL_SIZE + hlen]))

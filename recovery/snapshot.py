@@ -148,7 +148,7 @@ class SnapshotEngine:
             return self.files.slot(self.sid, k)
         return self.files.point(self.sid, k - self.nring)
 
-    def is_point(self, step: int) -> bool:
+    def is_candidate(self, step: int) -> bool:
         """Whether ``step`` is a point *candidate*: the initial state, or a multiple of
         ``replicate_every``. Which candidates become points the ranks agree on
         (``capture(point=...)``: the session's vote, paced by ``replicate_interval``); a
@@ -240,7 +240,7 @@ class SnapshotEngine:
             self._ready = torch.cuda.Event()
             self._ready.record(torch.cuda.current_stream())
         self._idle.clear()
-        point = self.is_point(step) if point is None else point and self.is_point(step)
+        point = self.is_candidate(step) if point is None else point and self.is_candidate(step)
         self._jobs.put((step, sync, lazy, meta, lineage, point))
         self.last_capture_s = time.perf_counter() - t0
 

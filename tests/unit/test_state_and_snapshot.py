@@ -406,7 +406,7 @@ def test_points_go_to_point_files_and_are_served_as_points(tmp_path):
     try:
         last_point = None
         for step in [-1, 0, 1, 2, 3, 4]:
-            if eng.is_point(step) and last_point is not None:
+            if eng.is_candidate(step) and last_point is not None:
                 store.confirm(0, last_point)  # the agent replicated the previous point
             _set(prov, extra, step)
             eng.capture(step)
@@ -479,7 +479,7 @@ def test_a_slot_taken_while_others_are_being_prepared_is_prepared_once(tmp_path,
     store = ReplicaStore(tmp_path)
     try:
         for step in (-1, 1, 2, 3, 4, 5, 6, 7):
-            if eng.is_point(step):
+            if eng.is_candidate(step):
                 store.confirm(0, eng.confirmed()[0] if eng._last_point is None else eng._last_point[0])
             _set(prov, extra, step)
             eng.capture(step)
