@@ -78,11 +78,7 @@ def _owner_gone(d: Path) -> bool:
         fd = os.open(d / OWNER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         pid = d.name.rsplit("-", 2)[-2] if d.name.count("-") >= 3 else ""
-        try:
-            old = time.time() - d.lstat().st_mtime > UNCLAIMED_GRACE_S
-        except OSError:
-            return False
-        return old and pid.isdigit() and not pid_alive(int(pid))
+        return _older_than(d, UNCLAIMED_GRACE_S) and pid.isdigit() and not pid_alive(int(pid))
     except OSError:
         return False  # a symlink, or not ours to read: leave it
     try:
@@ -107,6 +103,7 @@ def sweep_stale_run_dirs(base: Path) -> None:
 
 
 def _older_than(d: Path, seconds: float) -> bool:
+    """Whether ``d`` was last modified more than ``seconds`` ago (False if it cannot be told)."""
     try:
         return time.time() - d.lstat().st_mtime > seconds
     except OSError:

@@ -112,12 +112,9 @@ class JobStore:
                 kvs.append(world)
         return parse_snapshot(self.job, kvs, 0)
 
-    def with_progress(self, snap: JobSnapshot, kvs: Iterable[KV] | None = None) -> JobSnapshot:
-        """``snap`` with the ranks' progress records read again (one request), or, given
-        ``kvs`` (a watch's puts under the progress prefix), with those put over its own."""
-        if kvs is None:
-            fresh = parse_snapshot(self.job, self.store.get_prefix(self.keys.progress_prefix)[0], 0)
-            return dataclasses.replace(snap, progress=fresh.progress)
+    def with_progress(self, snap: JobSnapshot, kvs: Iterable[KV]) -> JobSnapshot:
+        """``snap`` with ``kvs`` (a watch's puts under the progress prefix) put over its progress
+        records: no request."""
         return dataclasses.replace(snap, progress={**snap.progress, **parse_snapshot(self.job, list(kvs), 0).progress})
 
     def agent_keys(self, node: str) -> tuple[list[str], list[str]]:
